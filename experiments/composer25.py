@@ -1,0 +1,188 @@
+"""Composer 2.5 reproduction on a Kimi-K2.5-shaped (DeepSeek-V3 family) MoE transformer.
+
+  python run.py --config=experiments/composer25.py                     # tiny: 8 CPU devices, ~a minute
+  python run.py --config=experiments/composer25.py:moonlight_16b       # Moonlight-16B-A3B shapes, 64 devices
+  python run.py --config=experiments/composer25.py:kimi_k25_1t         # Kimi K2.5 (1T) shapes, 1024 devices
+  python run.py --config=experiments/composer25.py --config.model.n_layers=2 --config.demo.decode_tokens=4
+  python run.py --config=experiments/composer25.py --config.mesh.dense='(2,2,2)' --workdir=runs/tiny_2x2x2
+
+`stages` is a comma-separated list run in order. Today only `demo` exists: build the sharded model
+on both meshes, print the parameter/sharding table, one forward pass, greedy-decode a few tokens.
+`pretrain`, `synth`, `sft` and `rl` arrive with later issues.
+
+Variants:
+  tiny           CPU default (about a minute on 2 cores). Dense mesh (replica=4, fsdp=1, context=2) and
+                 expert mesh (expert=8, expert_fsdp=1) on 8 devices (run.py and the tests force 8
+                 CPU devices when no accelerator is present).
+  moonlight_16b  Moonlight-16B-A3B (15.96B total, 2.24B active non-embedding): q_proj without
+                 q-LoRA, plain RoPE; the smallest real checkpoint of the architecture.
+  kimi_k25_1t    Kimi K2.5 text branch (1.03T total, ~33B active): q-LoRA, YaRN factor 64.
+Real-model shapes follow the published config.json files (counts from a meta-device init).
+
+Every mesh below must multiply to the device count: `sharding.build_meshes` checks it.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+VARIANTS = ("tiny", "moonlight_16b", "kimi_k25_1t")
+
+
+def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+  if variant not in VARIANTS:
+    raise ValueError(f"Unknown variant {variant!r}; known variants: {', '.join(VARIANTS)}.")
+  c = ml_collections.ConfigDict()
+  c.variant = variant
+  c.seed = 0
+  c.stages = "demo"  # comma-separated; pretrain, synth, sft, rl arrive with later issues.
+  c.workdir = config_dict.placeholder(str)  # None: run.py's --workdir, else runs/<variant>.
+
+  c.mesh = ml_collections.ConfigDict()
+  c.model = _model(variant)
+  c.demo = ml_collections.ConfigDict()
+  if variant == "tiny":
+    c.mesh.dense = (4, 1, 2)  # (replica, fsdp, context); 8 devices.
+    c.mesh.expert = (8, 1)  # (expert, expert_fsdp); 8 devices, one expert each.
+    c.demo.batch = 4  # divisible by replica·fsdp.
+    c.demo.prompt_len = 32  # divisible by context.
+    c.demo.decode_tokens = 8
+  elif variant == "moonlight_16b":
+    c.mesh.dense = (8, 8, 1)  # 64 devices: fsdp inside an 8-chip node, 8 replicas.
+    c.mesh.expert = (64, 1)  # 64 devices, one expert each.
+    c.demo.batch = 64
+    c.demo.prompt_len = 256
+    c.demo.decode_tokens = 16
+  else:
+    c.mesh.dense = (16, 16, 4)  # 1024 devices: fsdp 16, context 4 for long sequences.
+    c.mesh.expert = (128, 8)  # 1024 devices: 3 of 384 experts per expert row, sharded 8 ways.
+    c.demo.batch = 256
+    c.demo.prompt_len = 256
+    c.demo.decode_tokens = 16
+  return c
+
+
+def _model(variant: str) -> ml_collections.ConfigDict:
+  """Fields of `composer_jax.model.config.ModelConfig`, `rope` those of `RopeConfig`."""
+  common = dict(
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    first_k_dense=1,
+    rope_interleave=True,
+    tie_word_embeddings=False,
+    init_std=0.02,
+    param_dtype="float32",
+    capacity_factor=2.0,
+    router_aux_loss_coef=0.0,  # aux-loss-free balancing by the router bias (DeepSeek-V3 §2.1.2).
+  )
+  if variant == "tiny":
+    m = dict(
+      common,
+      vocab_size=1024,
+      d_model=256,
+      n_layers=4,
+      n_heads=8,
+      dense_mlp_dim=512,
+      moe_mlp_dim=256,
+      n_experts=8,
+      top_k=2,
+      n_shared_experts=1,
+      n_group=2,  # group-limited routing on: 2 groups of 4 experts, keep 1 group.
+      topk_group=1,
+      routed_scaling_factor=2.5,
+      q_lora_rank=64,
+      kv_lora_rank=64,
+      qk_nope_head_dim=32,
+      qk_rope_head_dim=16,
+      v_head_dim=32,
+      rms_norm_eps=1e-6,
+      max_position_embeddings=1024,
+      rope=_rope(
+        theta=50000.0, kind="yarn", factor=4.0, original_max_position=256, mscale=1.0, mscale_all_dim=1.0
+      ),
+      dtype="float32",  # bf16 dots are slower than fp32 on XLA:CPU.
+      expert_impl="capacity",
+      dispatch="all_to_all",  # XLA:CPU has no ragged-all-to-all.
+    )
+  elif variant == "moonlight_16b":
+    m = dict(
+      common,
+      vocab_size=163840,
+      d_model=2048,
+      n_layers=27,
+      n_heads=16,
+      dense_mlp_dim=11264,
+      moe_mlp_dim=1408,
+      n_experts=64,
+      top_k=6,
+      n_shared_experts=2,
+      routed_scaling_factor=2.446,
+      q_lora_rank=0,  # plain q_proj (HF q_lora_rank=None).
+      kv_lora_rank=512,
+      qk_nope_head_dim=128,
+      qk_rope_head_dim=64,
+      v_head_dim=128,
+      rms_norm_eps=1e-5,
+      max_position_embeddings=8192,
+      rope=_rope(theta=50000.0),
+      dtype="bfloat16",
+      expert_impl="ragged",
+      dispatch="ragged_all_to_all",
+    )
+  else:
+    m = dict(
+      common,
+      vocab_size=163840,
+      d_model=7168,
+      n_layers=61,
+      n_heads=64,
+      dense_mlp_dim=18432,
+      moe_mlp_dim=2048,
+      n_experts=384,
+      top_k=8,
+      n_shared_experts=1,
+      routed_scaling_factor=2.827,
+      q_lora_rank=1536,
+      kv_lora_rank=512,
+      qk_nope_head_dim=128,
+      qk_rope_head_dim=64,
+      v_head_dim=128,
+      rms_norm_eps=1e-5,
+      max_position_embeddings=262144,
+      rope=_rope(
+        theta=50000.0, kind="yarn", factor=64.0, original_max_position=4096, mscale=1.0, mscale_all_dim=1.0
+      ),
+      dtype="bfloat16",
+      expert_impl="ragged",
+      dispatch="ragged_all_to_all",
+    )
+  return ml_collections.ConfigDict(m)
+
+
+def _rope(
+  theta: float,
+  kind: str = "default",
+  factor: float = 1.0,
+  original_max_position: int = 4096,
+  mscale: float | None = None,
+  mscale_all_dim: float | None = None,
+) -> ml_collections.ConfigDict:
+  """`RopeConfig` fields; unset optional floats stay typed placeholders so `--config.` can set them."""
+
+  def opt(x):
+    return config_dict.placeholder(float) if x is None else x
+
+  return ml_collections.ConfigDict(
+    dict(
+      theta=theta,
+      kind=kind,
+      factor=factor,
+      original_max_position=original_max_position,
+      beta_fast=32.0,
+      beta_slow=1.0,
+      mscale=opt(mscale),
+      mscale_all_dim=opt(mscale_all_dim),
+      attention_factor=config_dict.placeholder(float),
+      truncate=True,
+    )
+  )
