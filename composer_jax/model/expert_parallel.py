@@ -1,0 +1,147 @@
+"""Expert parallelism: tokens travel to the devices that own their experts and back.
+
+Shape suffixes: T local tokens, K top-k, A local assignments (T·K), D d_model, P devices along
+the `expert` axis, C slots per destination, E experts (local: El = E/P).
+
+Runs inside `jax.shard_map` over the expert mesh. Each device routes its own token shard, sends
+every assignment to the device holding its expert, computes its local experts, and sends results
+back. Two transports behind `cfg.dispatch`:
+- "all_to_all": fixed-capacity padded buffers [P, C, D] and `jax.lax.all_to_all`. Works on every
+  backend (XLA:CPU included). Assignments past C are dropped and counted.
+- "ragged_all_to_all": exact-size chunks with `jax.lax.ragged_all_to_all` into a receive buffer of
+  `capacity_factor`·A rows (GPU/TPU; XLA:CPU has no lowering). Rows past the buffer are counted.
+With `expert_fsdp` > 1 the expert weights are gathered over that axis first (FSDP within experts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.model.config import ModelConfig
+from composer_jax.model.moe import capacity, experts_local, sort_by_expert
+
+_TOKENS = ("expert", "expert_fsdp")
+
+
+def dispatch(x_TD, expert_ids_TK, weights, cfg: ModelConfig, meshes):
+  """Routed-expert outputs [T, K, D] for every assignment, and the dropped-assignment count."""
+  mesh = meshes.expert
+  n_devices = mesh.shape["expert"] * mesh.shape["expert_fsdp"]
+  if x_TD.shape[0] % n_devices:
+    raise ValueError(f"{x_TD.shape[0]} tokens do not split over the {n_devices} devices of the expert mesh.")
+  if cfg.n_experts % mesh.shape["expert"]:
+    raise ValueError(
+      f"n_experts={cfg.n_experts} is not divisible by expert parallelism {mesh.shape['expert']}."
+    )
+  body = _all_to_all_body if cfg.dispatch == "all_to_all" else _ragged_body
+  fn = jax.shard_map(
+    lambda x, ids, wg, wu, wd: body(x, ids, _gather_fsdp(wg, wu, wd, mesh), cfg, mesh),
+    mesh=mesh,
+    in_specs=(
+      P(_TOKENS),
+      P(_TOKENS),
+      P("expert", "expert_fsdp"),
+      P("expert", "expert_fsdp"),
+      P("expert", None, "expert_fsdp"),
+    ),
+    out_specs=(P(_TOKENS), P()),
+  )
+  return fn(x_TD, expert_ids_TK, *weights)
+
+
+def _gather_fsdp(w_gate, w_up, w_down, mesh):
+  if mesh.shape["expert_fsdp"] == 1:
+    return w_gate, w_up, w_down
+  gather = lambda w, axis: jax.lax.all_gather(w, "expert_fsdp", axis=axis, tiled=True)  # noqa: E731
+  return gather(w_gate, 1), gather(w_up, 1), gather(w_down, 2)
+
+
+def _all_to_all_body(x_TD, ids_TK, weights, cfg: ModelConfig, mesh):
+  n_ep = mesh.shape["expert"]
+  T, K = ids_TK.shape
+  A, local_experts = T * K, cfg.n_experts // n_ep
+  x_AD, ids_A = jnp.repeat(x_TD, K, axis=0), ids_TK.reshape(A)
+  send_slots = capacity(A, n_ep, cfg.capacity_factor)
+
+  # Pack: slot (p, c) of the send buffer holds the c-th assignment bound for device p.
+  dest_A = ids_A // local_experts
+  order_A, sizes_P, starts_P, rank_A = sort_by_expert(dest_A, n_ep)
+  slot_PC = starts_P[:, None] + jnp.arange(send_slots)[None, :]
+  filled_PC = jnp.arange(send_slots)[None, :] < sizes_P[:, None]
+  source_PC = order_A[jnp.clip(slot_PC, 0, A - 1)]
+  send_x = jnp.where(filled_PC[..., None], x_AD[source_PC], 0).reshape(n_ep * send_slots, -1)
+  # Empty slots carry expert id `local_experts` (out of range): the expert paths give them zeros.
+  send_ids = jnp.where(filled_PC, ids_A[source_PC] % local_experts, local_experts).reshape(-1)
+
+  recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0, tiled=True)
+  recv_ids = jax.lax.all_to_all(send_ids, "expert", 0, 0, tiled=True)
+  local_slots = min(n_ep * send_slots, math.ceil(A / local_experts * cfg.capacity_factor))
+  y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, max(local_slots, 1))
+  y_send = jax.lax.all_to_all(y_recv, "expert", 0, 0, tiled=True)
+
+  # Unpack: assignment a comes back in slot (dest_a, rank_a) unless it was past the capacity.
+  kept_A = rank_A < send_slots
+  y_AD = jnp.where(kept_A[:, None], y_send[dest_A * send_slots + jnp.clip(rank_A, 0, send_slots - 1)], 0)
+  dropped = jnp.sum(~kept_A) + dropped_local
+  return y_AD.reshape(T, K, -1), jax.lax.psum(dropped, _TOKENS)
+
+
+def ragged_offsets(sizes_SP: jax.Array, buffer_rows: int):
+  """For a send-count matrix [source, dest]: where each chunk lands and how much of it fits.
+
+  Returns (output_offsets_SP, clamped_sizes_SP): chunk (s, p) starts at Σ_{s'<s} sizes[s', p] in
+  device p's receive buffer; sizes are clipped so no chunk writes past `buffer_rows`.
+  """
+  offsets_SP = jnp.cumsum(sizes_SP, axis=0) - sizes_SP
+  clamped_SP = jnp.clip(jnp.minimum(sizes_SP, buffer_rows - offsets_SP), 0, None)
+  return jnp.minimum(offsets_SP, buffer_rows), clamped_SP
+
+
+def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, mesh):
+  n_ep = mesh.shape["expert"]
+  T, K = ids_TK.shape
+  A, local_experts = T * K, cfg.n_experts // n_ep
+  rows = max(1, min(n_ep * A, math.ceil(A * cfg.capacity_factor)))
+  x_AD, ids_A = jnp.repeat(x_TD, K, axis=0), ids_TK.reshape(A)
+  dest_A = ids_A // local_experts
+  order_A, sizes_P, starts_P, _ = sort_by_expert(dest_A, n_ep)
+  me = jax.lax.axis_index("expert")
+  sizes_SP = jax.lax.all_gather(sizes_P, "expert")  # every device's send counts
+  out_offsets_SP, sent_SP = ragged_offsets(sizes_SP, rows)
+
+  def exchange(operand, output, in_offsets, send_sizes, out_offsets, recv_sizes):
+    return jax.lax.ragged_all_to_all(
+      operand, output, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name="expert"
+    )
+
+  x_sorted = x_AD[order_A]
+  ids_sorted = (ids_A % local_experts)[order_A]
+  recv_x = exchange(
+    x_sorted,
+    jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype),
+    starts_P,
+    sent_SP[me],
+    out_offsets_SP[me],
+    sent_SP[:, me],
+  )
+  recv_ids = exchange(
+    ids_sorted,
+    jnp.full((rows,), local_experts, ids_sorted.dtype),
+    starts_P,
+    sent_SP[me],
+    out_offsets_SP[me],
+    sent_SP[:, me],
+  )
+  y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, rows)
+  # Back: my received chunk from s sits at out_offsets[s, me]; it returns to s's sorted rows.
+  starts_SP = jax.lax.all_gather(starts_P, "expert")
+  y_sorted = exchange(
+    y_recv, jnp.zeros_like(x_sorted), out_offsets_SP[:, me], sent_SP[:, me], starts_SP[:, me], sent_SP[me]
+  )
+  y_AD = jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
+  dropped = jnp.sum(sizes_P - sent_SP[me]) + dropped_local
+  return y_AD.reshape(T, K, -1), jax.lax.psum(dropped, _TOKENS)
