@@ -1,0 +1,402 @@
+"""DeepSeek-V3 routing and the expert paths, each against an independent NumPy computation.
+
+Shape suffixes: T tokens, K top-k, E experts, G router groups, D d_model, F expert hidden,
+A assignments (T·K), S source devices, P destination devices.
+
+References follow HF `DeepseekV3TopkRouter` / `DeepseekV3MoE` (notes/moe.md §2): sigmoid scores,
+bias added for selection only, group score = sum of the top 2 per group, keep `topk_group` groups,
+weights = unbiased scores of the chosen experts, renormalised, × routed_scaling_factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax.model import ModelConfig, expert_parallel, moe
+
+BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, moe_mlp_dim=16, first_k_dense=1)
+
+
+def _cfg(**overrides) -> ModelConfig:
+  return ModelConfig(**(BASE | overrides))
+
+
+# --- NumPy references --------------------------------------------------------------------------
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+def _silu(x):
+  return x * _sigmoid(x)
+
+
+def np_route(logits_TE, bias_E, cfg: ModelConfig):
+  """HF DeepseekV3TopkRouter.get_topk_indices + weights, written from the reference, in float64."""
+  T, E = logits_TE.shape
+  scores_TE = _sigmoid(logits_TE)
+  choice_TE = scores_TE + bias_E[None, :]
+  per_group = E // cfg.n_group
+  grouped_TGe = choice_TE.reshape(T, cfg.n_group, per_group)
+  group_scores_TG = np.sort(grouped_TGe, axis=-1)[..., -2:].sum(-1)
+  kept_groups_Tg = np.argsort(-group_scores_TG, axis=-1, kind="stable")[:, : cfg.topk_group]
+  group_mask_TG = np.zeros((T, cfg.n_group), bool)
+  np.put_along_axis(group_mask_TG, kept_groups_Tg, True, axis=-1)
+  masked_TE = np.where(np.repeat(group_mask_TG, per_group, axis=-1), choice_TE, -np.inf)
+  ids_TK = np.argsort(-masked_TE, axis=-1, kind="stable")[:, : cfg.top_k]
+  weights_TK = np.take_along_axis(scores_TE, ids_TK, axis=-1)
+  if cfg.norm_topk_prob:
+    weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
+  return ids_TK, weights_TK * cfg.routed_scaling_factor
+
+
+def np_swiglu(x_D, w_gate_DF, w_up_DF, w_down_FD):
+  x_D = x_D.astype(np.float64)
+  return (_silu(x_D @ w_gate_DF) * (x_D @ w_up_DF)) @ w_down_FD
+
+
+def np_expert_rows(x_AD, ids_A, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """Each assignment through its own expert (no batching, no sorting)."""
+  rows = [np_swiglu(x, w_gate_EDF[e], w_up_EDF[e], w_down_EFD[e]) for x, e in zip(x_AD, ids_A, strict=True)]
+  return np.stack(rows)
+
+
+def first_come_kept(ids_A, slots: int, n_experts: int):
+  """Capacity semantics: the first `slots` assignments of each expert (in assignment order) run."""
+  seen = np.zeros(n_experts, int)
+  kept = np.zeros(len(ids_A), bool)
+  for a, e in enumerate(ids_A):
+    kept[a] = seen[e] < slots
+    seen[e] += 1
+  return kept
+
+
+def _sorted_by_id(ids_TK, weights_TK):
+  order = np.argsort(ids_TK, axis=-1)
+  return np.take_along_axis(ids_TK, order, -1), np.take_along_axis(weights_TK, order, -1)
+
+
+def _random_expert_weights(rng, E, D, F):
+  return tuple(
+    (0.3 * rng.standard_normal(shape)).astype(np.float32) for shape in ((E, D, F), (E, D, F), (E, F, D))
+  )
+
+
+# --- routing -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    dict(n_experts=8, n_group=1, topk_group=1, top_k=2),
+    dict(n_experts=8, n_group=4, topk_group=2, top_k=2, routed_scaling_factor=2.5),
+    dict(n_experts=16, n_group=4, topk_group=2, top_k=4, routed_scaling_factor=2.827),
+    dict(n_experts=16, n_group=8, topk_group=3, top_k=3, norm_topk_prob=False),
+  ],
+  ids=["flat", "g4k2", "g4k4", "g8_unnormalised"],
+)
+def test_route_matches_numpy_reference(overrides):
+  cfg = _cfg(**overrides)
+  rng = np.random.default_rng(0)
+  logits_TE = rng.standard_normal((64, cfg.n_experts)).astype(np.float32)
+  bias_E = (0.3 * rng.standard_normal(cfg.n_experts)).astype(np.float32)  # large enough to flip choices
+  r = jax.jit(moe.route, static_argnums=2)(logits_TE, bias_E, cfg)
+  ids_TK, weights_TK = _sorted_by_id(np.asarray(r.expert_ids_TK), np.asarray(r.weights_TK))
+  ref_ids_TK, ref_weights_TK = _sorted_by_id(*np_route(logits_TE, bias_E, cfg))
+  np.testing.assert_array_equal(ids_TK, ref_ids_TK)
+  np.testing.assert_allclose(weights_TK, ref_weights_TK, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(r.scores_TE), _sigmoid(logits_TE), rtol=1e-6)
+  assert r.expert_ids_TK.dtype == jnp.int32 and r.weights_TK.dtype == jnp.float32
+  if cfg.n_group > 1:  # the group limit must matter on these inputs, or this test proves nothing
+    ungrouped_ids, _ = np_route(logits_TE, bias_E, _cfg(**(overrides | dict(n_group=1, topk_group=1))))
+    assert (np.sort(ungrouped_ids, -1) != ref_ids_TK).any()
+
+
+def test_bias_selects_but_does_not_weight():
+  cfg = _cfg(n_experts=8, n_group=1, topk_group=1, top_k=2, routed_scaling_factor=2.5)
+  logits_TE = np.array([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]], np.float32)
+  route = jax.jit(moe.route, static_argnums=2)
+  unbiased = route(logits_TE, np.zeros(8, np.float32), cfg)
+  assert sorted(np.asarray(unbiased.expert_ids_TK)[0]) == [0, 1]
+
+  bias_E = np.zeros(8, np.float32)
+  bias_E[6] = 2.0  # sigmoid(-3) + 2 beats every unbiased score
+  biased = route(logits_TE, bias_E, cfg)
+  ids, weights = _sorted_by_id(np.asarray(biased.expert_ids_TK), np.asarray(biased.weights_TK))
+  np.testing.assert_array_equal(ids, [[0, 6]])
+  s0, s6 = 1 / (1 + math.exp(-3.0)), 1 / (1 + math.exp(3.0))
+  np.testing.assert_allclose(weights, [[2.5 * s0 / (s0 + s6), 2.5 * s6 / (s0 + s6)]], rtol=1e-6)
+
+
+# --- the MoE layer against a hand computation ---------------------------------------------------
+
+
+def _designed_inputs(cfg: ModelConfig, rng):
+  """Tokens x [B, T, D] and a router whose logits are exactly `logits_TE` (x has full row rank,
+  so W = pinv(x)·L solves x·W = L): token t strongly prefers experts first_T[t] then second_T[t]."""
+  Bt, Tt = 2, 8
+  n_tokens = Bt * Tt
+  x_TD = rng.standard_normal((n_tokens, cfg.d_model)).astype(np.float32)
+  first_T = rng.integers(0, cfg.n_experts, n_tokens)
+  second_T = (first_T + rng.integers(1, cfg.n_experts, n_tokens)) % cfg.n_experts
+  logits_TE = np.full((n_tokens, cfg.n_experts), -6.0)
+  logits_TE[np.arange(n_tokens), first_T] = 3.0
+  logits_TE[np.arange(n_tokens), second_T] = 1.0
+  router_DE = (np.linalg.pinv(x_TD.astype(np.float64)) @ logits_TE).astype(np.float32)
+  return x_TD.reshape(Bt, Tt, -1), router_DE, np.stack([first_T, second_T], -1), logits_TE
+
+
+@pytest.mark.parametrize(
+  "impl, capacity_factor",
+  [("capacity", 8.0), ("ragged", 8.0), ("blocked", 0.5), ("capacity", 0.5)],
+  ids=["capacity", "ragged", "blocked", "capacity_overflow"],
+)
+def test_moe_layer_matches_hand_computation(impl, capacity_factor):
+  cfg = _cfg(
+    n_experts=8,
+    n_group=4,
+    topk_group=2,
+    top_k=2,
+    routed_scaling_factor=2.5,
+    n_shared_experts=1,
+    expert_impl=impl,
+    capacity_factor=capacity_factor,
+  )
+  rng = np.random.default_rng(1)
+  x_BTD, router_DE, ids_TK, logits_TE = _designed_inputs(cfg, rng)
+  with nnx.use_eager_sharding(False):  # abstract: every value is replaced below
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(0))))
+  values = nnx.to_pure_dict(state)
+  w_gate, w_up, w_down = _random_expert_weights(rng, cfg.n_experts, cfg.d_model, cfg.moe_mlp_dim)
+  shared = {k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in values["shared"].items()}
+  # A bias that is small next to the designed margins: it must not change the choice.
+  bias_E = (0.01 * rng.standard_normal(cfg.n_experts)).astype(np.float32)
+  values.update(router=router_DE, router_bias=bias_E, w_gate=w_gate, w_up=w_up, w_down=w_down, shared=shared)
+  nnx.replace_by_pure_dict(state, values)
+  y_BTD, aux = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x_BTD)
+
+  # By hand: weights from the designed logits, experts and shared MLP row by row.
+  x_TD = x_BTD.reshape(-1, cfg.d_model)
+  scores_TK = _sigmoid(np.take_along_axis(logits_TE, ids_TK, -1))
+  weights_TK = cfg.routed_scaling_factor * scores_TK / scores_TK.sum(-1, keepdims=True)
+  ids_A = ids_TK.reshape(-1)
+  y_AD = np_expert_rows(np.repeat(x_TD, 2, axis=0), ids_A, w_gate, w_up, w_down)
+  slots = math.ceil(len(ids_A) / cfg.n_experts * capacity_factor)
+  kept_A = first_come_kept(ids_A, slots, cfg.n_experts) if impl == "capacity" else np.ones(len(ids_A), bool)
+  # (The blocked path is dropless whatever the capacity factor.)
+  y_TKD = (y_AD * kept_A[:, None]).reshape(-1, 2, cfg.d_model)
+  expected_TD = np.einsum("tkd,tk->td", y_TKD, weights_TK) + np_swiglu(
+    x_TD, shared["gate_proj"], shared["up_proj"], shared["down_proj"]
+  )
+  np.testing.assert_allclose(np.asarray(y_BTD).reshape(-1, cfg.d_model), expected_TD, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(aux["expert_load"], np.bincount(ids_A, minlength=cfg.n_experts))
+  assert float(aux["overflow"]) == np.sum(~kept_A)
+  if capacity_factor < 1 and impl == "capacity":
+    assert np.sum(~kept_A) > 0  # the small capacity really overflows on these inputs
+
+
+# --- expert paths ------------------------------------------------------------------------------
+
+
+_experts_ragged = jax.jit(moe.experts_ragged, static_argnums=5)
+_experts_capacity = jax.jit(moe.experts_capacity, static_argnums=(5, 6))
+_experts_blocked = jax.jit(moe.experts_blocked, static_argnums=(5, 6))
+
+
+def test_capacity_and_ragged_paths_match_reference():
+  E, D, F, A = 8, 32, 16, 48
+  rng = np.random.default_rng(2)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  ids_A = rng.integers(0, E, A).astype(np.int32)
+  weights = _random_expert_weights(rng, E, D, F)
+  expected_AD = np_expert_rows(x_AD, ids_A, *weights)
+  y_ragged = _experts_ragged(x_AD, ids_A, *weights, "float32")
+  y_capacity, dropped = _experts_capacity(x_AD, ids_A, *weights, "float32", A)
+  np.testing.assert_allclose(y_ragged, expected_AD, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y_capacity, expected_AD, rtol=1e-5, atol=1e-5)
+  assert int(dropped) == 0
+
+
+@pytest.mark.parametrize("block", [5, 64])
+def test_blocked_path_is_dropless_with_exact_gradients(block):
+  """Skewed load (one expert takes half), empty experts and out-of-range ids; values and grads."""
+  E, D, F, A = 8, 32, 16, 48
+  rng = np.random.default_rng(9)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  ids_A = rng.choice(E, A, p=[0.5, 0.2, 0.1, 0.1, 0.1, 0.0, 0.0, 0.0]).astype(np.int32)
+  ids_A[:2] = E  # empty EP slots: zeros, no gradient
+  weights = _random_expert_weights(rng, E, D, F)
+  valid_A = ids_A < E
+  expected_AD = np.zeros((A, D))
+  expected_AD[valid_A] = np_expert_rows(x_AD[valid_A], ids_A[valid_A], *weights)
+  np.testing.assert_allclose(
+    _experts_blocked(x_AD, ids_A, *weights, "float32", block), expected_AD, rtol=1e-5, atol=1e-5
+  )
+  # Gradients against the ragged_dot path (itself checked against NumPy above), same cotangent.
+  cot_AD = rng.standard_normal((A, D)).astype(np.float32)
+
+  def grads(fn):
+    return jax.jit(
+      jax.grad(lambda x, wg, wu, wd: jnp.sum(fn(x, ids_A, wg, wu, wd) * cot_AD), argnums=(0, 1, 2, 3))
+    )(x_AD, *weights)
+
+  blocked = grads(lambda *a: moe.experts_blocked(*a, "float32", block))
+  ragged = grads(lambda *a: moe.experts_ragged(*a, "float32"))
+  for g_blocked, g_ragged in zip(blocked, ragged, strict=True):
+    np.testing.assert_allclose(g_blocked, g_ragged, rtol=1e-5, atol=1e-4 * np.abs(g_ragged).max())
+
+
+def test_capacity_path_drops_and_counts_overflow():
+  E, D, F, A, slots = 8, 32, 16, 48, 4
+  rng = np.random.default_rng(3)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  ids_A = rng.choice(E, A, p=[0.4, 0.2, 0.1, 0.1, 0.1, 0.05, 0.05, 0.0]).astype(np.int32)
+  ids_A[:3] = E  # out-of-range ids (empty EP slots) give zeros and are not overflow
+  weights = _random_expert_weights(rng, E, D, F)
+  y_AD, dropped = _experts_capacity(x_AD, ids_A, *weights, "float32", slots)
+  valid_A = ids_A < E
+  counts_E = np.bincount(ids_A[valid_A], minlength=E)
+  assert int(dropped) == np.maximum(counts_E - slots, 0).sum() > 0
+  kept_A = np.zeros(A, bool)
+  kept_A[valid_A] = first_come_kept(ids_A[valid_A], slots, E)
+  expected_AD = np.zeros((A, D))
+  expected_AD[kept_A] = np_expert_rows(x_AD[kept_A], ids_A[kept_A], *weights)
+  np.testing.assert_allclose(y_AD, expected_AD, rtol=1e-5, atol=1e-5)
+
+
+# --- load balancing ----------------------------------------------------------------------------
+
+
+def test_update_router_bias_moves_towards_balance():
+  cfg = _cfg(n_layers=3, first_k_dense=1, n_experts=8)
+  rng = np.random.default_rng(4)
+  params = {
+    "embed": rng.standard_normal((4, 2)),
+    "layers": {
+      0: {"mlp": {"gate_proj": rng.standard_normal((2, 3))}},
+      1: {"mlp": {"router": rng.standard_normal((2, 8)), "router_bias": np.zeros(8, np.float32)}},
+      2: {
+        "mlp": {"router": rng.standard_normal((2, 8)), "router_bias": np.full(8, 0.5, np.float32)},
+        "attn": {"o_proj": rng.standard_normal((2, 2))},
+      },
+    },
+  }
+  assert cfg.is_moe_layer(1) and cfg.is_moe_layer(2) and not cfg.is_moe_layer(0)
+  load_LE = np.array([[10, 2, 6, 6, 6, 6, 6, 6], [1, 1, 1, 1, 1, 1, 1, 9]], np.float32)  # means 6 and 2
+  rate = 1e-2
+  new = moe.update_router_bias(params, jnp.asarray(load_LE), rate)
+  expected_1 = rate * np.array([-1, 1, 0, 0, 0, 0, 0, 0])  # overloaded down, underloaded up, balanced kept
+  expected_2 = 0.5 + rate * np.array([1, 1, 1, 1, 1, 1, 1, -1])
+  np.testing.assert_allclose(new["layers"][1]["mlp"]["router_bias"], expected_1, atol=1e-9)
+  np.testing.assert_allclose(new["layers"][2]["mlp"]["router_bias"], expected_2, atol=1e-7)
+  new_leaves = jax.tree_util.tree_leaves_with_path(new)
+  old_leaves = dict(jax.tree_util.tree_leaves_with_path(params))
+  assert len(new_leaves) == len(old_leaves)
+  for path, leaf in new_leaves:
+    if "router_bias" not in jax.tree_util.keystr(path):
+      assert leaf is old_leaves[path], jax.tree_util.keystr(path)
+  np.testing.assert_array_equal(params["layers"][1]["mlp"]["router_bias"], 0)  # the input is not mutated
+
+
+def np_sequence_balance_loss(scores_BTE, ids_BTK, E):
+  """DeepSeek-V3 eqs. 17-20, loop by loop: Σ_i f_i·P_i per sequence, averaged over sequences."""
+  B, T, K = ids_BTK.shape
+  total = 0.0
+  for b in range(B):
+    f = np.zeros(E)
+    for t in range(T):
+      for e in ids_BTK[b, t]:
+        f[e] += E / (K * T)
+    p = (scores_BTE[b] / scores_BTE[b].sum(-1, keepdims=True)).mean(0)
+    total += float(f @ p)
+  return total / B
+
+
+def test_sequence_balance_loss_matches_formula():
+  E, K = 8, 2
+  rng = np.random.default_rng(5)
+  scores_BTE = _sigmoid(rng.standard_normal((3, 10, E)))
+  ids_BTK = np.argsort(-rng.standard_normal((3, 10, E)), -1)[..., :K].astype(np.int32)
+  balance_loss = jax.jit(moe.sequence_balance_loss, static_argnums=2)
+  loss = balance_loss(jnp.asarray(scores_BTE, jnp.float32), jnp.asarray(ids_BTK), E)
+  np.testing.assert_allclose(float(loss), np_sequence_balance_loss(scores_BTE, ids_BTK, E), rtol=1e-5)
+  # Perfect balance with uniform scores gives exactly 1.
+  uniform_ids = np.stack([np.arange(8) % E, (np.arange(8) + 4) % E], -1)[None].astype(np.int32)
+  balanced = balance_loss(jnp.ones((1, 8, E)), jnp.asarray(uniform_ids), E)
+  np.testing.assert_allclose(float(balanced), 1.0, rtol=1e-6)
+
+
+# --- expert parallelism ------------------------------------------------------------------------
+
+
+def _ep_inputs(cfg: ModelConfig, n_tokens: int, seed: int):
+  rng = np.random.default_rng(seed)
+  x_TD = rng.standard_normal((n_tokens, cfg.d_model)).astype(np.float32)
+  ids_TK = np.argsort(rng.standard_normal((n_tokens, cfg.n_experts)), -1)[:, : cfg.top_k].astype(np.int32)
+  return x_TD, ids_TK, _random_expert_weights(rng, cfg.n_experts, cfg.d_model, cfg.moe_mlp_dim)
+
+
+def _dispatch_fn(cfg, meshes):
+  return jax.jit(lambda x, ids, wg, wu, wd: expert_parallel.dispatch(x, ids, (wg, wu, wd), cfg, meshes))
+
+
+def test_all_to_all_dispatch_matches_local_path(meshes):
+  cfg = _cfg(n_experts=8, top_k=2, capacity_factor=8.0)  # send slots = all local assignments
+  x_TD, ids_TK, weights = _ep_inputs(cfg, 64, seed=6)
+  y_TKD, dropped = _dispatch_fn(cfg, meshes)(x_TD, ids_TK, *weights)
+  x_AD, ids_A = np.repeat(x_TD, 2, 0), ids_TK.reshape(-1)
+  local_AD, local_dropped = _experts_capacity(x_AD, ids_A, *weights, "float32", len(ids_A))
+  y_AD = np.asarray(y_TKD).reshape(-1, cfg.d_model)
+  np.testing.assert_allclose(y_AD, local_AD, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y_AD, np_expert_rows(x_AD, ids_A, *weights), rtol=1e-5, atol=1e-5)
+  assert int(dropped) == int(local_dropped) == 0
+
+
+def test_all_to_all_dispatch_counts_overflow(meshes):
+  cfg = _cfg(n_experts=8, top_k=2, capacity_factor=0.5)
+  n_ep, n_tokens = meshes.expert_parallelism, 64
+  x_TD, ids_TK, weights = _ep_inputs(cfg, n_tokens, seed=7)
+  y_TKD, dropped = _dispatch_fn(cfg, meshes)(x_TD, ids_TK, *weights)
+  # Independently: device s holds tokens [s·8, s·8+8); it sends each destination device (one expert
+  # each here) at most `slots` assignments, first come first served, and the rest are dropped.
+  local_A = n_tokens // n_ep * cfg.top_k
+  slots = max(1, math.ceil(local_A / n_ep * cfg.capacity_factor))
+  ids_SA = ids_TK.reshape(n_ep, local_A)
+  kept_SA = np.stack([first_come_kept(ids_A, slots, cfg.n_experts) for ids_A in ids_SA])
+  assert int(dropped) == np.sum(~kept_SA) > 0
+  kept_A = kept_SA.reshape(-1)
+  expected = np.zeros((n_tokens * cfg.top_k, cfg.d_model))
+  expected[kept_A] = np_expert_rows(np.repeat(x_TD, 2, 0)[kept_A], ids_TK.reshape(-1)[kept_A], *weights)
+  np.testing.assert_allclose(np.asarray(y_TKD).reshape(-1, cfg.d_model), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("buffer_rows", [1000, 9, 4, 0])
+def test_ragged_offsets_simulate_filling_receive_buffers(buffer_rows):
+  rng = np.random.default_rng(8)
+  sizes_SP = rng.integers(0, 6, (4, 5)).astype(np.int32)
+  offsets_SP, sent_SP = map(np.asarray, expert_parallel.ragged_offsets(jnp.asarray(sizes_SP), buffer_rows))
+  # Destination p's buffer is filled by sources 0, 1, ... in turn, each chunk after the last.
+  for p in range(sizes_SP.shape[1]):
+    cursor = 0
+    for s in range(sizes_SP.shape[0]):
+      assert offsets_SP[s, p] == min(cursor, buffer_rows)
+      assert sent_SP[s, p] == max(0, min(sizes_SP[s, p], buffer_rows - cursor))
+      cursor += sizes_SP[s, p]
+  np.testing.assert_array_equal(sent_SP.sum(0), np.minimum(sizes_SP.sum(0), buffer_rows))
+  assert (offsets_SP + sent_SP <= max(buffer_rows, 0)).all()
+
+
+def test_ragged_all_to_all_dispatch_lowers(meshes):
+  """XLA:CPU cannot compile ragged-all-to-all (jax #34755), so on CPU only the lowering is checked;
+  its numerics need a GPU/TPU run."""
+  cfg = _cfg(n_experts=8, top_k=2, dispatch="ragged_all_to_all")
+  x_TD, ids_TK, weights = _ep_inputs(cfg, 64, seed=9)
+  text = _dispatch_fn(cfg, meshes).lower(x_TD, ids_TK, *weights).as_text()
+  assert "ragged_all_to_all" in text or "ragged-all-to-all" in text

@@ -1,0 +1,163 @@
+"""The two meshes, the logical-axis tables, and sharded ≡ single-device forward.
+
+Shape suffixes: B batch, T time, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from composer_jax import model, sharding
+from composer_jax.model import ModelConfig
+
+# capacity_factor = n_experts: no send buffer or expert bucket can overflow, so the expert-parallel
+# path computes exactly what the local path does.
+CFG = ModelConfig(
+  vocab_size=64,
+  d_model=32,
+  n_layers=2,
+  n_heads=2,
+  dense_mlp_dim=64,
+  moe_mlp_dim=16,
+  n_experts=8,
+  top_k=2,
+  n_group=4,
+  topk_group=2,
+  routed_scaling_factor=2.5,
+  first_k_dense=1,
+  q_lora_rank=16,
+  kv_lora_rank=16,
+  qk_nope_head_dim=8,
+  qk_rope_head_dim=4,
+  v_head_dim=8,
+  max_position_embeddings=64,
+  capacity_factor=8.0,
+)
+B, T = 4, 16  # batch splits over replica=4, time over context=2, B·T tokens over expert=8
+
+
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple)
+
+
+# --- building meshes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "dense, expert, numbers",
+  [((4, 1, 1), (8, 1), ("4", "8")), ((4, 1, 2), (4, 1), ("4", "8")), ((2, 2, 4), (8, 1), ("16", "8"))],
+)
+def test_build_meshes_rejects_wrong_device_count(dense, expert, numbers):
+  with pytest.raises(ValueError) as err:
+    sharding.build_meshes(dense, expert)
+  message = str(err.value)
+  for n in numbers:
+    assert f"{n} devices" in message or f"{n} are available" in message, message
+
+
+@pytest.mark.parametrize("dense, expert", [((8, 1), (8, 1)), ((4, 1, 2), (8,)), ((4, 1, 2), (2, 2, 2))])
+def test_build_meshes_rejects_wrong_number_of_axes(dense, expert):
+  with pytest.raises(ValueError, match="needs"):
+    sharding.build_meshes(dense, expert)
+
+
+def test_meshes_share_one_device_order(meshes):
+  assert list(meshes.dense.devices.flat) == list(meshes.expert.devices.flat) == jax.devices()
+  assert meshes.dense.axis_names == sharding.DENSE_AXES and meshes.expert.axis_names == sharding.EXPERT_AXES
+  shuffled = [jax.devices()[i] for i in (3, 1, 7, 0, 5, 2, 6, 4)]
+  custom = sharding.build_meshes((2, 2, 2), (4, 2), devices=shuffled)
+  assert list(custom.dense.devices.flat) == list(custom.expert.devices.flat) == shuffled
+
+
+def test_make_meshes_reads_the_experiment_config():
+  config = ml_collections.ConfigDict()
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.dense = (2, 2, 2)
+  config.mesh.expert = (4, 2)
+  meshes = sharding.make_meshes(config)
+  assert dict(meshes.dense.shape) == {"replica": 2, "fsdp": 2, "context": 2}
+  assert dict(meshes.expert.shape) == {"expert": 4, "expert_fsdp": 2}
+  assert meshes.expert_parallelism == 4
+  config.mesh.expert = (16, 1)
+  with pytest.raises(ValueError, match="16"):
+    sharding.make_meshes(config)
+
+
+# --- logical axes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [CFG, ModelConfig(q_lora_rank=0, tie_word_embeddings=True, n_shared_experts=0, first_k_dense=0)],
+  ids=["tiny", "q_proj_tied_no_shared"],
+)
+def test_every_param_axis_has_a_rule(cfg, meshes):
+  abstract = jax.eval_shape(functools.partial(model.init, cfg), jax.random.key(0))
+  axes = model.logical_axes(cfg)
+  for (path, names), leaf in zip(
+    jax.tree_util.tree_leaves_with_path(axes, is_leaf=_is_axes), jax.tree.leaves(abstract), strict=True
+  ):
+    table = sharding.EXPERT_PARAM_RULES if "expert" in names else sharding.DENSE_PARAM_RULES
+    for name in names:
+      where = (jax.tree_util.keystr(path), name)
+      assert name is None or (name in sharding.PARAM_AXES and name in table), where
+    sharding.param_sharding(names, meshes, leaf.shape)  # resolves without KeyError
+  expert_leaves = [names for names in jax.tree.leaves(axes, is_leaf=_is_axes) if "expert" in names]
+  assert len(expert_leaves) == 3 * sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))  # gate, up, down
+
+
+# --- parameters on the two meshes --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_params(meshes):
+  return model.init(CFG, jax.random.key(0), meshes)
+
+
+def test_init_places_expert_params_on_expert_mesh(sharded_params, meshes):
+  axes = model.logical_axes(CFG)
+  n_expert = 0
+  axes_leaves = jax.tree_util.tree_leaves_with_path(axes, is_leaf=_is_axes)
+  for (path, names), leaf in zip(axes_leaves, jax.tree.leaves(sharded_params), strict=True):
+    where = jax.tree_util.keystr(path)
+    if "expert" in names:
+      n_expert += 1
+      assert leaf.sharding.mesh == meshes.expert, where
+      assert leaf.sharding.spec[0] == "expert", where
+      # One expert per device: the expert axis really splits over all 8.
+      assert {s.data.shape[0] for s in leaf.addressable_shards} == {CFG.n_experts // 8}, where
+    else:
+      assert leaf.sharding.mesh == meshes.dense, where
+      assert leaf.sharding.spec == sharding.param_sharding(names, meshes, leaf.shape).spec, where
+  assert n_expert == 3
+
+
+def _random_like(params, seed: int):
+  """O(1) random values (so the MoE matters to the logits) with the given arrays' shardings."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = path[-1].key
+    scale = 1.0 if name == "embed" else 0.05 if name == "router_bias" else 0.2
+    value = rng.standard_normal(leaf.shape) * scale + (1.0 if name.endswith("norm") else 0.0)
+    return value.astype(leaf.dtype)
+
+  host = jax.tree_util.tree_map_with_path(draw, params)
+  return host, jax.device_put(host, jax.tree.map(lambda p: p.sharding, params))
+
+
+def test_sharded_forward_matches_single_device(sharded_params, meshes):
+  host_params, params = _random_like(sharded_params, seed=3)
+  tokens_BT = np.random.default_rng(4).integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+  sharded_BTV, sharded_aux = jax.jit(lambda p, t: model.apply(p, CFG, t, meshes=meshes))(params, tokens_BT)
+  single_BTV, single_aux = jax.jit(lambda p, t: model.apply(p, CFG, t))(host_params, tokens_BT)
+  assert len(single_BTV.sharding.device_set) == 1 and len(sharded_BTV.sharding.device_set) == 8
+  np.testing.assert_allclose(np.asarray(sharded_BTV), np.asarray(single_BTV), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(sharded_aux["expert_load"], single_aux["expert_load"])
+  assert float(sharded_aux["overflow"]) == float(single_aux["overflow"]) == 0
+  np.testing.assert_allclose(float(sharded_aux["balance_loss"]), float(single_aux["balance_loss"]), rtol=1e-5)
