@@ -63,7 +63,8 @@ def demo(config: Any, workdir: str) -> dict[str, Any]:
   tokens_BT = jax.random.randint(rng, (config.demo.batch, config.demo.prompt_len), 0, cfg.vocab_size)
   tokens_BT = jax.device_put(tokens_BT, sharding.activation_sharding(("batch", "seq"), meshes))
   t0 = time.perf_counter()
-  logits_BTV, _ = jax.block_until_ready(jax.jit(model.apply, static_argnums=1)(params, cfg, tokens_BT))
+  forward = jax.jit(functools.partial(model.apply, cfg=cfg, meshes=meshes))
+  logits_BTV, aux = jax.block_until_ready(forward(params, tokens=tokens_BT))
   logp_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
   loss = float(-jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1).mean())
   uniform = math.log(cfg.vocab_size)
@@ -71,9 +72,14 @@ def demo(config: Any, workdir: str) -> dict[str, Any]:
     f"forward: logits {tuple(logits_BTV.shape)} {logits_BTV.dtype}, next-token loss {loss:.4f} "
     f"vs uniform ln(V) = {uniform:.4f} ({time.perf_counter() - t0:.1f}s incl. compile)"
   )
+  load = np.asarray(aux["expert_load"])
+  _log(
+    f"experts (EP={meshes.expert_parallelism}, {cfg.expert_impl}): max/mean load per MoE layer "
+    f"{np.round(load.max(1) / load.mean(1), 2).tolist()}, dropped assignments {int(aux['overflow'])}"
+  )
 
   t0 = time.perf_counter()
-  decoded_BN = np.asarray(model.greedy_decode(params, cfg, tokens_BT, config.demo.decode_tokens))
+  decoded_BN = np.asarray(model.greedy_decode(params, cfg, tokens_BT, config.demo.decode_tokens, meshes))
   seconds = time.perf_counter() - t0
   _log(
     f"greedy decode: {decoded_BN.shape} in {seconds:.1f}s incl. compile; rows 0-1: {decoded_BN[:2].tolist()}"

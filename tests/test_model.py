@@ -16,34 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import TINY
 
 from composer_jax import model
-from composer_jax.model import ModelConfig, RopeConfig
+from composer_jax.model import ModelConfig
 
-# capacity_factor = n_experts: every expert has a slot per assignment, so nothing is ever dropped
-# and outputs don't depend on which other tokens share the batch.
-CFG = ModelConfig(
-  vocab_size=64,
-  d_model=32,
-  n_layers=2,
-  n_heads=2,
-  dense_mlp_dim=64,
-  moe_mlp_dim=16,
-  n_experts=8,
-  top_k=2,
-  n_group=4,
-  topk_group=2,
-  routed_scaling_factor=2.5,
-  first_k_dense=1,
-  q_lora_rank=16,
-  kv_lora_rank=16,
-  qk_nope_head_dim=8,
-  qk_rope_head_dim=4,
-  v_head_dim=8,
-  max_position_embeddings=64,
-  capacity_factor=8.0,
-  rope=RopeConfig(kind="yarn", factor=4.0, original_max_position=16, mscale=1.0, mscale_all_dim=1.0),
-)
+CFG = TINY
 B, T = 4, 16
 # B·T = vocab: every position holds a different token id, so row `tokens[b, t]` of the embedding
 # gradient is exactly the gradient w.r.t. the input at (b, t).

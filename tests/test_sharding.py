@@ -11,33 +11,12 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from tiny import TINY
 
 from composer_jax import model, sharding
 from composer_jax.model import ModelConfig
 
-# capacity_factor = n_experts: no send buffer or expert bucket can overflow, so the expert-parallel
-# path computes exactly what the local path does.
-CFG = ModelConfig(
-  vocab_size=64,
-  d_model=32,
-  n_layers=2,
-  n_heads=2,
-  dense_mlp_dim=64,
-  moe_mlp_dim=16,
-  n_experts=8,
-  top_k=2,
-  n_group=4,
-  topk_group=2,
-  routed_scaling_factor=2.5,
-  first_k_dense=1,
-  q_lora_rank=16,
-  kv_lora_rank=16,
-  qk_nope_head_dim=8,
-  qk_rope_head_dim=4,
-  v_head_dim=8,
-  max_position_embeddings=64,
-  capacity_factor=8.0,
-)
+CFG = TINY
 B, T = 4, 16  # batch splits over replica=4, time over context=2, B·T tokens over expert=8
 
 

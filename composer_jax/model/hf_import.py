@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from composer_jax import sharding
 from composer_jax.model import transformer
@@ -261,7 +262,7 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, meshes: sharding.Meshes | No
     )
   # = jax.eval_shape(init), from the trace `logical_axes` caches: tracing a 61-layer model takes
   # ~40 s on CPU, so trace once.
-  abstract = transformer._abstract(cfg)[1].to_pure_dict()  # noqa: SLF001
+  abstract = nnx.to_pure_dict(transformer._abstract(cfg)[1])  # noqa: SLF001
   sources, used = _sources(ckpt, cfg, abstract)
   _check_unused(ckpt, used, cfg, _mtp_layers(path))
   if meshes is None:

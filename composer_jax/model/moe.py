@@ -243,6 +243,13 @@ def combine(y_TKD: jax.Array, weights_TK: jax.Array) -> jax.Array:
   return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK)
 
 
+def _expert_parallel(meshes, n_tokens: int) -> bool:
+  """EP dispatch when there is an expert axis and the tokens split over all devices; otherwise
+  (single device, or e.g. a decode step with fewer tokens than devices) the local path runs and
+  XLA's sharding propagation moves the expert weights instead."""
+  return meshes is not None and meshes.expert_parallelism > 1 and n_tokens % len(meshes.devices) == 0
+
+
 class MoE(nnx.Module):
   """Shared experts (dense mesh) + routed experts (expert mesh) + router (dense mesh, fp32)."""
 
@@ -268,7 +275,7 @@ class MoE(nnx.Module):
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.router[...].astype(jnp.float32))
     r = route(logits_TE, jax.lax.stop_gradient(self.router_bias[...]), cfg)
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    if meshes is not None and meshes.expert_parallelism > 1:
+    if _expert_parallel(meshes, B * T):
       y_TKD, dropped = expert_parallel.dispatch(x_TD, r.expert_ids_TK, weights, cfg, meshes)
     else:
       A = B * T * cfg.top_k

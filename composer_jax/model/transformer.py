@@ -121,17 +121,19 @@ def _abstract(cfg: ModelConfig):
 def logical_axes(cfg: ModelConfig) -> dict:
   """The params tree with each leaf replaced by its tuple of logical axis names."""
   _, state = _abstract(cfg)
-  return jax.tree.map(
-    lambda v: tuple(v.get_metadata()["out_sharding"]), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-  ).to_pure_dict()
+  return nnx.to_pure_dict(
+    jax.tree.map(
+      lambda v: tuple(v.get_metadata()["out_sharding"]), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+  )
 
 
 def trainable_mask(cfg: ModelConfig) -> dict:
   """True for leaves the optimizer updates; False for the router bias (moved by its own rule)."""
   _, state = _abstract(cfg)
-  return jax.tree.map(
-    lambda v: isinstance(v, nnx.Param), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-  ).to_pure_dict()
+  return nnx.to_pure_dict(
+    jax.tree.map(lambda v: isinstance(v, nnx.Param), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
 
 
 def init(cfg: ModelConfig, rng: jax.Array, meshes: sharding.Meshes | None = None) -> dict:
@@ -139,7 +141,7 @@ def init(cfg: ModelConfig, rng: jax.Array, meshes: sharding.Meshes | None = None
 
   def make(key):
     with nnx.use_eager_sharding(False):
-      return nnx.state(Transformer(cfg, nnx.Rngs(params=key))).to_pure_dict()
+      return nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(params=key))))
 
   out_shardings = None
   if meshes is not None:
