@@ -1,0 +1,1 @@
+"""Data: the stdlib code corpus (tfds/array_record), tokenizers, packed grain batches."""

@@ -1,0 +1,245 @@
+"""Pretraining corpus (a tfds builder over the stdlib's .py files) and the packed grain batch pipeline.
+
+Why the stdlib: it is real code that exists offline on every machine (~740 files, ~12 MB on 3.11).
+Stored as array_record and read with `as_data_source`, so TensorFlow is never needed.
+
+Kept: every `.py` under `os.path.dirname(os.__file__)`. Dropped: directories named `test`, `tests`,
+`idle_test` (CPython's test suite: huge, repetitive, deliberately odd encodings), `site-packages` /
+`dist-packages` (third-party code, differs per machine), `__pycache__`, and files that are not valid
+UTF-8. `idlelib` and `lib2to3` proper are kept: ordinary application code.
+
+Split is by file: sha256 of the relative path decides, so a file never appears in both splits and the
+split does not depend on the file listing order or count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+
+from composer_jax.data.tokenizer import Tokenizer
+
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+VALIDATION_PERMILLE = 20  # 2% of files
+SPLITS = ("train", "validation")
+
+
+def stdlib_root() -> str:
+  return os.path.dirname(os.__file__)
+
+
+def split_of(relpath: str) -> str:
+  """Deterministic by-file split from the path alone."""
+  h = int.from_bytes(hashlib.sha256(relpath.encode("utf-8")).digest()[:8], "big")
+  return "validation" if h % 1000 < VALIDATION_PERMILLE else "train"
+
+
+def list_sources(root: str, max_files: int | None = None) -> list[str]:
+  """Sorted relative paths of the kept .py files (first `max_files` of them, for tests)."""
+  out = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+    for f in filenames:
+      if f.endswith(".py"):
+        out.append(os.path.relpath(os.path.join(dirpath, f), root))
+  out.sort()
+  return out[:max_files] if max_files is not None else out
+
+
+def read_source(root: str, relpath: str) -> str | None:
+  """File text, or None when it is not UTF-8 (bytes kept exactly: no newline translation)."""
+  with open(os.path.join(root, relpath), "rb") as f:
+    data = f.read()
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError:
+    return None
+
+
+def iter_split(root: str, split: str, max_files: int | None = None):
+  """(relpath, text) of one split, in path order; shared by the builder and the tokenizer script."""
+  for rel in list_sources(root, max_files):
+    if split_of(rel) == split:
+      text = read_source(root, rel)
+      if text is not None:
+        yield rel, text
+
+
+class StdlibCode(tfds.core.GeneratorBasedBuilder):
+  """`.py` sources of a Python installation; features `path`, `text` (both Text -> bytes on read)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def __init__(self, *, src_dir: str | None = None, max_files: int | None = None, **kwargs):
+    self._src_dir = src_dir or stdlib_root()
+    self._max_files = max_files
+    super().__init__(**kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # Built directly: `dataset_info_from_configs` needs the builder in a tfds-style package layout.
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=f"Python source files under {self._src_dir} (tests and site-packages excluded).",
+      features=tfds.features.FeaturesDict({"path": tfds.features.Text(), "text": tfds.features.Text()}),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {split: self._generate_examples(split) for split in SPLITS}
+
+  def _generate_examples(self, split: str):
+    for rel, text in iter_split(self._src_dir, split, self._max_files):
+      yield rel, {"path": rel, "text": text}
+
+
+def build_corpus(
+  data_dir: str, *, src_dir: str | None = None, max_files: int | None = None, verbose: bool = True
+) -> dict[str, Any]:
+  """{split: ArrayRecordDataSource}; builds under `data_dir` on first call, reuses it afterwards.
+
+  The on-disk dataset does not record `src_dir`/`max_files`: use a separate `data_dir` per variant.
+  """
+  builder = StdlibCode(src_dir=src_dir, max_files=max_files, data_dir=data_dir, file_format="array_record")
+  if builder.is_prepared():
+    if verbose:
+      print(f"stdlib_code: reusing {builder.data_dir}", flush=True)
+  else:
+    if verbose:
+      print(f"stdlib_code: building from {builder._src_dir} into {builder.data_dir} ...", flush=True)
+    t0 = time.perf_counter()
+    builder.download_and_prepare()
+    if verbose:
+      splits = builder.info.splits
+      sizes = ", ".join(f"{s} {splits[s].num_examples} files" for s in SPLITS)
+      mb = sum(splits[s].num_bytes for s in SPLITS) / 1e6
+      print(f"stdlib_code: built {sizes}, {mb:.1f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
+  return {split: ds for split, ds in builder.as_data_source().items()}
+
+
+def documents(source: Sequence, *, seed: int, shuffle: bool = True) -> grain.MapDataset:
+  """Document texts; indices past len(source) are later epochs, each with its own permutation."""
+  ds = grain.MapDataset.source(source)
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  return ds.map(lambda record: record["text"].decode("utf-8"))
+
+
+class PackedBatchIterator(grain.DatasetIterator):
+  """[B, T] rows of concatenated documents; checkpointable state = (next document index, token offset).
+
+  Each document is tokenized with an EOS appended and poured into rows in order. A document that
+  does not fit the rest of a row continues at the start of the next row -- unless the piece left in
+  this row would be shorter than `min_fragment`, then the row is padded instead (padding only at row
+  ends, segment id 0). Segment ids count 1, 2, ... per piece within a row and positions restart at 0
+  per piece, so attention (same segment, causal by position) never crosses documents.
+  Rows always start on a batch boundary, so the state between batches determines all later batches.
+  """
+
+  def __init__(
+    self,
+    docs: grain.MapDataset,
+    tokenize: Callable[[str], list[int]],
+    *,
+    batch_size: int,
+    seq_len: int,
+    pad_id: int,
+    num_epochs: int | None = None,
+    min_fragment: int | None = None,
+  ):
+    super().__init__()
+    self._docs, self._tokenize = docs, tokenize
+    self._B, self._T, self._pad_id = batch_size, seq_len, pad_id
+    self._end = None if num_epochs is None else num_epochs * len(docs)
+    self._min_fragment = max(1, seq_len // 8) if min_fragment is None else min_fragment
+    self._index, self._offset = 0, 0
+    self._cached: tuple[int, np.ndarray] | None = None
+
+  def get_state(self) -> dict[str, Any]:
+    return {"index": self._index, "offset": self._offset}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._index, self._offset = int(state["index"]), int(state["offset"])
+
+  def _exhausted(self) -> bool:
+    return self._end is not None and self._index >= self._end
+
+  def _doc_tokens(self, index: int) -> np.ndarray:
+    if self._cached is None or self._cached[0] != index:
+      self._cached = (index, np.asarray(self._tokenize(self._docs[index]), np.int32))
+    return self._cached[1]
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._exhausted():
+      raise StopIteration
+    B, T = self._B, self._T
+    tokens_BT = np.full((B, T), self._pad_id, np.int32)
+    segment_ids_BT = np.zeros((B, T), np.int32)
+    positions_BT = np.zeros((B, T), np.int32)
+    for b in range(B):
+      col, seg = 0, 0
+      while col < T and not self._exhausted():
+        doc = self._doc_tokens(self._index)
+        remaining = len(doc) - self._offset
+        n = min(remaining, T - col)
+        if n < remaining and n < self._min_fragment and col > 0:
+          break  # a tiny fragment is not worth splitting the document for: pad the row's end
+        seg += 1
+        tokens_BT[b, col : col + n] = doc[self._offset : self._offset + n]
+        segment_ids_BT[b, col : col + n] = seg
+        positions_BT[b, col : col + n] = np.arange(n, dtype=np.int32)
+        col += n
+        self._offset += n
+        if self._offset == len(doc):
+          self._index, self._offset = self._index + 1, 0
+    return {"tokens": tokens_BT, "segment_ids": segment_ids_BT, "positions": positions_BT}
+
+
+class PackedBatches(grain.IterDataset):
+  """grain IterDataset wrapper so the packed pipeline composes with grain (prefetch, checkpointing)."""
+
+  def __init__(self, docs: grain.MapDataset, tokenize: Callable[[str], list[int]], **kwargs):
+    super().__init__(docs)
+    self._docs, self._tokenize, self._kwargs = docs, tokenize, kwargs
+
+  def __iter__(self) -> PackedBatchIterator:
+    return PackedBatchIterator(self._docs, self._tokenize, **self._kwargs)
+
+
+def batches(
+  source: Sequence,
+  tokenizer: Tokenizer,
+  *,
+  batch_size: int,
+  seq_len: int,
+  seed: int,
+  shuffle: bool = True,
+  num_epochs: int | None = None,
+  min_fragment: int | None = None,
+) -> PackedBatchIterator:
+  """Packed batches {tokens, segment_ids, positions} [B, T] int32 from one split's data source.
+
+  `num_epochs=None` repeats forever (training); a finite count ends with a padded partial batch
+  (evaluation). Resume with `it.set_state(saved)` on a fresh iterator built with the same arguments.
+  """
+  eos = tokenizer.eos_id
+
+  def tokenize(text: str) -> list[int]:
+    return tokenizer.encode(text) + [eos]
+
+  ds = PackedBatches(
+    documents(source, seed=seed, shuffle=shuffle),
+    tokenize,
+    batch_size=batch_size,
+    seq_len=seq_len,
+    pad_id=tokenizer.pad_id,
+    num_epochs=num_epochs,
+    min_fragment=min_fragment,
+  )
+  return iter(ds)
