@@ -75,7 +75,7 @@ def demo(config: Any, workdir: str) -> dict[str, Any]:
   load = np.asarray(aux["expert_load"])
   _log(
     f"experts (EP={meshes.expert_parallelism}, {cfg.expert_impl}): max/mean load per MoE layer "
-    f"{np.round(load.max(1) / load.mean(1), 2).tolist()}, dropped assignments {int(aux['overflow'])}"
+    f"{[f'{r:.2f}' for r in load.max(1) / load.mean(1)]}, dropped assignments {int(aux['overflow'])}"
   )
 
   t0 = time.perf_counter()

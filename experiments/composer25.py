@@ -101,8 +101,9 @@ def _model(variant: str) -> ml_collections.ConfigDict:
         theta=50000.0, kind="yarn", factor=4.0, original_max_position=256, mscale=1.0, mscale_all_dim=1.0
       ),
       dtype="float32",  # bf16 dots are slower than fp32 on XLA:CPU.
-      expert_impl="capacity",
+      expert_impl="blocked",  # dropless; the fastest expert path measured on XLA:CPU (RESULTS.md).
       dispatch="all_to_all",  # XLA:CPU has no ragged-all-to-all.
+      capacity_factor=4.0,  # EP send buffers: room for 4x the balanced share per destination device.
     )
   elif variant == "moonlight_16b":
     m = dict(
