@@ -21,7 +21,7 @@ from composer_jax import sharding
 from composer_jax.model import rope
 from composer_jax.model.attention import MLA
 from composer_jax.model.config import ModelConfig
-from composer_jax.model.layers import MLP, ones, param, project, rms_norm
+from composer_jax.model.layers import MLP, KeyStream, ones, param, project, rms_norm
 from composer_jax.model.moe import MoE
 
 
@@ -114,7 +114,7 @@ def _collect_aux(moe_aux: list[dict], cfg: ModelConfig) -> dict:
 def _abstract(cfg: ModelConfig):
   """(graphdef, abstract state) of the model; built once per config, no memory allocated."""
   with nnx.use_eager_sharding(False):
-    module = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    module = nnx.eval_shape(lambda: Transformer(cfg, KeyStream(0)))
   return nnx.split(module)
 
 
@@ -141,7 +141,7 @@ def init(cfg: ModelConfig, rng: jax.Array, meshes: sharding.Meshes | None = None
 
   def make(key):
     with nnx.use_eager_sharding(False):
-      return nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(params=key))))
+      return nnx.to_pure_dict(nnx.state(Transformer(cfg, KeyStream(key))))
 
   out_shardings = None
   if meshes is not None:
