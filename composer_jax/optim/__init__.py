@@ -1,0 +1,17 @@
+"""Optimizers: sharded Muon for matrices, AdamW for the rest.
+
+from composer_jax import optim
+tx = optim.build_optimizer(optim.OptimizerConfig(...), params, meshes, model_cfg=cfg)
+"""
+
+from composer_jax.optim.muon import ShardedMuonState, sharded_muon
+from composer_jax.optim.optimizer import OptimizerConfig, build_optimizer, dimension_numbers, labels
+
+__all__ = [
+  "OptimizerConfig",
+  "ShardedMuonState",
+  "build_optimizer",
+  "dimension_numbers",
+  "labels",
+  "sharded_muon",
+]
