@@ -1,8 +1,8 @@
 """Stages wired together: `run(config, workdir)` runs `config.stages` in order.
 
-Today there is one stage, `demo`: build both meshes, initialise the sharded model, print where
-each parameter lives, run one forward pass and greedy-decode a few tokens. Pretraining, synthetic
-tasks, SFT and RL stages arrive with later issues.
+`demo`: build both meshes, initialise the sharded model, print where each parameter lives, run one
+forward pass and greedy-decode a few tokens. `pretrain`: next-token training on the stdlib corpus,
+resuming from `<workdir>/checkpoints`. Synthetic tasks, SFT and RL stages arrive with later issues.
 
 Shape suffixes: B batch, T time, V vocab, N decoded tokens.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from composer_jax import model, sharding
 from composer_jax.model.config import ModelConfig, RopeConfig
 
-STAGES = ("demo",)
+STAGES = ("demo", "pretrain")
 _log = functools.partial(print, "[pipeline]", flush=True)
 
 
@@ -90,7 +90,96 @@ def demo(config: Any, workdir: str) -> dict[str, Any]:
   return summary
 
 
-_STAGE_FNS = {"demo": demo}
+def pretrain(config: Any, workdir: str) -> dict[str, Any]:
+  """Trains `config.train.steps` steps (resuming from the newest checkpoint); returns the summary."""
+  from composer_jax import optim, train
+  from composer_jax.data import corpus, tokenizer  # tfds: imported only by the stages that read data
+  from composer_jax.train import checkpoint, metrics
+  from composer_jax.train import pretrain as pt
+
+  cfg = model_config_from(config.model)
+  tcfg = pt.TrainConfig(**config.train.to_dict())
+  ocfg = optimizer_config_from(config)
+  meshes = sharding.make_meshes(config)
+  _log(f"meshes: {sharding.describe(meshes)}")
+  d = config.data
+  splits = corpus.build_corpus(str(pathlib.Path(workdir, "tfds")), src_dir=d.src_dir, max_files=d.max_files)
+  tok = tokenizer.load(d.tokenizer)
+  if tok.vocab_size > cfg.vocab_size:
+    raise ValueError(
+      f"tokenizer {d.tokenizer!r} has {tok.vocab_size} ids but model.vocab_size is {cfg.vocab_size}; "
+      "raise --config.model.vocab_size or pick a smaller tokenizer."
+    )
+
+  tx = optim.build_optimizer(
+    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), meshes, model_cfg=cfg
+  )
+  state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
+  shardings = train.state.state_shardings(state)
+  record = checkpoint.config_record(
+    model=cfg,
+    optim=ocfg,
+    data=d,
+    batch=dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len),
+    seed=config.seed,
+  )
+  ckpt = checkpoint.Checkpointer(pathlib.Path(workdir, "checkpoints"), record, keep=tcfg.keep_checkpoints)
+  shape = dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len)
+  train_iter = corpus.batches(splits["train"], tok, **shape, seed=config.seed)
+  if ckpt.latest_step() is not None:
+    state, data_state = ckpt.restore(state)
+    train_iter.set_state(data_state)
+    _log(f"resumed from {ckpt.directory}/{int(state.step)}")
+  eval_iter = corpus.batches(splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1)
+  eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes)
+
+  schedule = pt.lr_schedule(ocfg)
+  train_step = pt.make_train_step(
+    cfg, tx, schedule, shardings, meshes, router_bias_rate=tcfg.router_bias_rate
+  )
+  eval_step = pt.make_eval_step(cfg, shardings.params, meshes)
+  n_active = pt.active_params(cfg)
+  _log(f"pretrain: {n_active:,} active params/token, {tcfg.batch_size}x{tcfg.seq_len} tokens/step")
+  writer = metrics.MetricsWriter(pathlib.Path(workdir, "metrics"))
+  if not writer.has_tensorboard:
+    _log("tensorboardX not installed: metrics go to metrics.jsonl only")
+
+  def save(state, data_state, force):
+    ckpt.save(state, data_state, force=force)
+
+  try:
+    state, summary = pt.fit(
+      state, train_step, eval_step, train_iter, eval_batches, tcfg,
+      meshes=meshes, writer=writer, save=save, flops_per_token=metrics.flops_per_token(n_active), log=print,
+    )  # fmt: skip
+  finally:
+    ckpt.close()
+    writer.close()
+  summary["checkpoints"] = ckpt.all_steps()
+  pathlib.Path(workdir, "pretrain.json").write_text(json.dumps(summary, indent=1))
+  _log(
+    f"pretrain: steps {summary['start_step']}→{summary['steps']}, train loss {summary['first_train_loss']} → "
+    f"{summary['last_train_loss']}, validation {summary['first_validation_loss']} → "
+    f"{summary['last_validation_loss']}, {summary['tokens_per_s']:,.0f} tok/s"
+  )
+  return summary
+
+
+def optimizer_config_from(config: Any) -> Any:
+  """`optim.OptimizerConfig` from `config.optim`; `total_steps` None means `train.steps`.
+
+  Warmup is cut to `total_steps - 1` for very short runs (optax needs a positive decay length).
+  """
+  from composer_jax import optim
+
+  fields = config.optim.to_dict()
+  if fields.get("total_steps") is None:
+    fields["total_steps"] = config.train.steps
+  fields["warmup_steps"] = min(fields["warmup_steps"], fields["total_steps"] - 1)
+  return optim.OptimizerConfig(**fields)
+
+
+_STAGE_FNS = {"demo": demo, "pretrain": pretrain}
 
 
 @dataclasses.dataclass(frozen=True)

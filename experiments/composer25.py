@@ -5,10 +5,16 @@
   python run.py --config=experiments/composer25.py:kimi_k25_1t         # Kimi K2.5 (1T) shapes, 1024 devices
   python run.py --config=experiments/composer25.py --config.model.n_layers=2 --config.demo.decode_tokens=4
   python run.py --config=experiments/composer25.py --config.mesh.dense='(2,2,2)' --workdir=runs/tiny_2x2x2
+  python run.py --config=experiments/composer25.py --config.stages=pretrain           # tiny: a few minutes
+  python run.py --config=experiments/composer25.py --config.stages=pretrain --config.train.steps=400
 
-`stages` is a comma-separated list run in order. Today only `demo` exists: build the sharded model
-on both meshes, print the parameter/sharding table, one forward pass, greedy-decode a few tokens.
-`pretrain`, `synth`, `sft` and `rl` arrive with later issues.
+`stages` is a comma-separated list run in order:
+  demo      build the sharded model on both meshes, print the parameter/sharding table, one forward
+            pass, greedy-decode a few tokens.
+  pretrain  next-token training on the stdlib corpus (built under <workdir>/tfds), sharded Muon +
+            AdamW, validation every `train.eval_every` steps, checkpoints in <workdir>/checkpoints
+            (rerun the same command to resume; Ctrl-C saves first), metrics in <workdir>/metrics.
+`synth`, `sft` and `rl` arrive with later issues.
 
 Variants:
   tiny           CPU default (about a minute on 2 cores). Dense mesh (replica=4, fsdp=1, context=2) and
@@ -34,12 +40,21 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.variant = variant
   c.seed = 0
-  c.stages = "demo"  # comma-separated; pretrain, synth, sft, rl arrive with later issues.
+  c.stages = "demo"  # comma-separated: demo, pretrain; synth, sft, rl arrive with later issues.
   c.workdir = config_dict.placeholder(str)  # None: run.py's --workdir, else runs/<variant>.
 
   c.mesh = ml_collections.ConfigDict()
   c.model = _model(variant)
   c.demo = ml_collections.ConfigDict()
+  c.train = _train(variant)
+  c.optim = _optim(variant)
+  c.data = ml_collections.ConfigDict(
+    dict(
+      tokenizer="byte" if variant == "tiny" else "bpe",  # byte: 267 ids, fits the tiny vocab of 1024
+      src_dir=config_dict.placeholder(str),  # None: this Python's stdlib
+      max_files=config_dict.placeholder(int),  # None: all files
+    )
+  )
   if variant == "tiny":
     c.mesh.dense = (4, 1, 2)  # (replica, fsdp, context); 8 devices.
     c.mesh.expert = (8, 1)  # (expert, expert_fsdp); 8 devices, one expert each.
@@ -59,6 +74,46 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     c.demo.prompt_len = 256
     c.demo.decode_tokens = 16
   return c
+
+
+def _train(variant: str) -> ml_collections.ConfigDict:
+  """Fields of `composer_jax.train.pretrain.TrainConfig`."""
+  t = dict(
+    steps=60,  # ~4-9 s/step on 2 CPU cores (sharded Muon ~half of it): ~5 min with compile
+    batch_size=8,  # divisible by replica·fsdp
+    seq_len=128,  # divisible by context
+    log_every=5,
+    eval_every=20,
+    eval_batches=2,
+    checkpoint_every=20,
+    keep_checkpoints=2,
+    router_bias_rate=1e-3,
+    peak_flops=180e9,  # ~2 XLA:CPU cores (notes/environment.md §7); H100 bf16 dense ~989e12
+  )
+  if variant != "tiny":
+    t.update(steps=10_000, batch_size=256, seq_len=4096, log_every=10, eval_every=500, checkpoint_every=500)
+    t.update(peak_flops=989e12)
+  return ml_collections.ConfigDict(t)
+
+
+def _optim(variant: str) -> ml_collections.ConfigDict:
+  """Fields of `composer_jax.optim.OptimizerConfig`; `total_steps` None means `train.steps`."""
+  o = dict(
+    learning_rate=3e-3 if variant == "tiny" else 3e-4,
+    warmup_steps=10 if variant == "tiny" else 500,
+    total_steps=config_dict.placeholder(int),
+    min_lr_ratio=0.1,
+    weight_decay=0.1,
+    muon_beta=0.95,
+    ns_steps=5,
+    ns_coeffs="quintic",
+    rms_scale="moonlight",
+    adam_b1=0.9,
+    adam_b2=0.95,
+    adam_eps=1e-8,
+    grad_clip=1.0,
+  )
+  return ml_collections.ConfigDict(o)
 
 
 def _model(variant: str) -> ml_collections.ConfigDict:
