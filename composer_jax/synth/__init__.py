@@ -14,3 +14,18 @@ __all__ = [
   "run",
   "venv_paths",
 ]
+from composer_jax.synth.deletion import Deletion, DeletionRejected, delete_feature, delete_function, statement
+from composer_jax.synth.sources import DEFAULT_SOURCES, ChecksumError, Source, fetch, make_venv
+
+__all__ += [
+  "DEFAULT_SOURCES",
+  "ChecksumError",
+  "Deletion",
+  "DeletionRejected",
+  "Source",
+  "delete_feature",
+  "delete_function",
+  "fetch",
+  "make_venv",
+  "statement",
+]
