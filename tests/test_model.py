@@ -223,7 +223,10 @@ def test_invalid_config_names_the_field(overrides, field):
 
 
 def test_valid_config_is_accepted():
-  ModelConfig(n_experts=16, n_group=8, topk_group=3, top_k=6)  # 6 ≤ 16·3/8
+  cfg = ModelConfig(n_experts=16, n_group=8, topk_group=3, top_k=6)  # the bound: 6 = 16·3/8
+  assert (cfg.n_experts, cfg.n_group, cfg.topk_group, cfg.top_k) == (16, 8, 3, 6)
+  with pytest.raises(ValueError, match="top_k"):
+    ModelConfig(n_experts=16, n_group=8, topk_group=3, top_k=7)  # one past it
 
 
 # --- parameter trees ---------------------------------------------------------------------------
