@@ -133,7 +133,7 @@ def pretrain(config: Any, workdir: str) -> dict[str, Any]:
   eval_iter = corpus.batches(splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1)
   eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes)
 
-  schedule = pt.lr_schedule(ocfg)
+  schedule = optim.lr_schedule(ocfg)
   train_step = pt.make_train_step(
     cfg, tx, schedule, shardings, meshes, router_bias_rate=tcfg.router_bias_rate
   )

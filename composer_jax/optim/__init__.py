@@ -5,7 +5,13 @@ tx = optim.build_optimizer(optim.OptimizerConfig(...), params, meshes, model_cfg
 """
 
 from composer_jax.optim.muon import ShardedMuonState, sharded_muon
-from composer_jax.optim.optimizer import OptimizerConfig, build_optimizer, dimension_numbers, labels
+from composer_jax.optim.optimizer import (
+  OptimizerConfig,
+  build_optimizer,
+  dimension_numbers,
+  labels,
+  lr_schedule,
+)
 
 __all__ = [
   "OptimizerConfig",
@@ -13,5 +19,6 @@ __all__ = [
   "build_optimizer",
   "dimension_numbers",
   "labels",
+  "lr_schedule",
   "sharded_muon",
 ]

@@ -87,6 +87,17 @@ def _is_dn(x: Any) -> bool:
   return isinstance(x, MuonDimensionNumbers)
 
 
+def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  """Linear warmup 0 → learning_rate, then cosine to learning_rate · min_lr_ratio (both branches)."""
+  return optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=cfg.warmup_steps,
+    decay_steps=cfg.total_steps,
+    end_value=cfg.learning_rate * cfg.min_lr_ratio,
+  )
+
+
 def build_optimizer(
   cfg: OptimizerConfig, params: Any, meshes: sharding.Meshes | None, *, model_cfg: model.ModelConfig
 ) -> optax.GradientTransformation:
@@ -96,13 +107,7 @@ def build_optimizer(
   (the same rule `model.init` uses). `model_cfg` supplies the logical axes and the trainable mask.
   Call the result's `init` eagerly (see `sharded_muon`).
   """
-  schedule = optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=cfg.learning_rate,
-    warmup_steps=cfg.warmup_steps,
-    decay_steps=cfg.total_steps,
-    end_value=cfg.learning_rate * cfg.min_lr_ratio,
-  )
+  schedule = lr_schedule(cfg)
   shardings = None
   if meshes is not None:
     shardings = sharding.param_shardings(model.logical_axes(model_cfg), params, meshes)

@@ -39,17 +39,6 @@ class TrainConfig:
   peak_flops: float = 180e9  # for MFU; ~2 XLA:CPU cores (notes/environment.md §7), set per accelerator
 
 
-def lr_schedule(ocfg: Any) -> optax.Schedule:
-  """The schedule `optim.build_optimizer` uses (warmup + cosine), rebuilt here to report the lr."""
-  return optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=ocfg.learning_rate,
-    warmup_steps=ocfg.warmup_steps,
-    decay_steps=ocfg.total_steps,
-    end_value=ocfg.learning_rate * ocfg.min_lr_ratio,
-  )
-
-
 def next_token_loss(
   logits_BTV: jax.Array, tokens_BT: jax.Array, segment_ids_BT: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
