@@ -117,7 +117,7 @@ def pretrain(config: Any, workdir: str) -> dict[str, Any]:
   state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
   shardings = train.state.state_shardings(state)
   record = checkpoint.config_record(
-    model=cfg,
+    model=dataclasses.replace(cfg, remat="none"),  # how to compute, not what: free to change on resume
     optim=ocfg,
     data=d,
     batch=dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len),
@@ -135,8 +135,9 @@ def pretrain(config: Any, workdir: str) -> dict[str, Any]:
 
   schedule = optim.lr_schedule(ocfg)
   train_step = pt.make_train_step(
-    cfg, tx, schedule, shardings, meshes, router_bias_rate=tcfg.router_bias_rate
-  )
+    cfg, tx, schedule, shardings, meshes,
+    router_bias_rate=tcfg.router_bias_rate, grad_accum=tcfg.grad_accum, qk_clip_tau=ocfg.qk_clip_tau,
+  )  # fmt: skip
   eval_step = pt.make_eval_step(cfg, shardings.params, meshes)
   n_active = pt.active_params(cfg)
   _log(f"pretrain: {n_active:,} active params/token, {tcfg.batch_size}x{tcfg.seq_len} tokens/step")

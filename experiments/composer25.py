@@ -89,6 +89,7 @@ def _train(variant: str) -> ml_collections.ConfigDict:
     keep_checkpoints=2,
     router_bias_rate=1e-3,
     peak_flops=180e9,  # ~2 XLA:CPU cores (notes/environment.md §7); H100 bf16 dense ~989e12
+    grad_accum=1,  # micro-batches per step; batch_size/grad_accum divisible by replica·fsdp
   )
   if variant != "tiny":
     t.update(steps=10_000, batch_size=256, seq_len=4096, log_every=10, eval_every=500, checkpoint_every=500)
@@ -112,6 +113,7 @@ def _optim(variant: str) -> ml_collections.ConfigDict:
     adam_b2=0.95,
     adam_eps=1e-8,
     grad_clip=1.0,
+    qk_clip_tau=100.0,  # QK-clip (Kimi K2 MuonClip) caps each head's max attention logit; 0 disables
   )
   return ml_collections.ConfigDict(o)
 
@@ -129,6 +131,7 @@ def _model(variant: str) -> ml_collections.ConfigDict:
     param_dtype="float32",
     capacity_factor=2.0,
     router_aux_loss_coef=0.0,  # aux-loss-free balancing by the router bias (DeepSeek-V3 §2.1.2).
+    remat="none" if variant == "tiny" else "full",  # per-block activation recompute in training
   )
   if variant == "tiny":
     m = dict(

@@ -32,8 +32,11 @@ def attend(
   k_pos_BS: jax.Array,
   q_seg_BT: jax.Array,
   k_seg_BS: jax.Array,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
   """Softmax attention of per-head queries over keys/values shared by all heads (MLA's latent).
+
+  Returns the output [B, T, H, C] and each head's largest visible logit [H] (scale included, no
+  gradient): the quantity QK-clip caps (Kimi K2 MuonClip).
 
   Query t sees key s iff same segment and pos_s <= pos_t: positions and segment ids (not array
   indices) cover causal training, packed documents and a partly filled KV cache with one rule.
@@ -47,7 +50,8 @@ def attend(
   scores_BTHS = jnp.einsum("bthk,bsk->bths", q_BTHK, keys_BSK, preferred_element_type=jnp.float32) * scale
   probs_BTHS = jax.nn.softmax(scores_BTHS + bias_BT1S, axis=-1).astype(values_BSC.dtype)
   out_BTHC = jnp.einsum("bths,bsc->bthc", probs_BTHS, values_BSC, preferred_element_type=jnp.float32)
-  return out_BTHC.astype(values_BSC.dtype)
+  max_logit_H = jnp.max(jax.lax.stop_gradient(scores_BTHS) + bias_BT1S, axis=(0, 1, 3))
+  return out_BTHC.astype(values_BSC.dtype), max_logit_H
 
 
 class MLA(nnx.Module):
@@ -91,7 +95,7 @@ class MLA(nnx.Module):
     return jnp.concatenate([q_BTHK[..., : cfg.qk_nope_head_dim], q_rope], axis=-1)
 
   def __call__(self, x_BTD, cos_BTR, sin_BTR, q_pos_BT, q_seg_BT, *, cache=None, meshes=None):
-    """Attention output [B, T, D] and the updated cache entry.
+    """Attention output [B, T, D], the updated cache entry and the per-head max logit [H].
 
     `cache` = (latent_BSC, k_rope_BSR, index, k_pos_BS, k_seg_BS): this layer's latent cache, the
     slot where x's tokens go, and the positions/segments of all slots (already including x's).
@@ -123,6 +127,8 @@ class MLA(nnx.Module):
     q_latent_BTHC = project("bthn,chn->bthc", q_BTHK[..., : cfg.qk_nope_head_dim], w_k_CHN, cfg.dtype)
     q_BTHk = jnp.concatenate([q_latent_BTHC, q_BTHK[..., cfg.qk_nope_head_dim :]], axis=-1)
     keys_BSk = jnp.concatenate([latent_BSC, k_rope_BSR.astype(latent_BSC.dtype)], axis=-1)
-    out_BTHC = attend(q_BTHk, keys_BSk, latent_BSC, cfg.softmax_scale, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
+    out_BTHC, max_logit_H = attend(
+      q_BTHk, keys_BSk, latent_BSC, cfg.softmax_scale, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS
+    )
     out_BTHV = project("bthc,chv->bthv", out_BTHC, w_v_CHV, cfg.dtype)
-    return project("bthv,hvd->btd", out_BTHV, self.o_proj[...], cfg.dtype), new_cache
+    return project("bthv,hvd->btd", out_BTHV, self.o_proj[...], cfg.dtype), new_cache, max_logit_H

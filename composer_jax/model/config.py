@@ -114,6 +114,9 @@ class ModelConfig:
   capacity_factor: float = 2.0  # slots per expert (capacity path) / per EP destination buffer.
   dispatch: Literal["all_to_all", "ragged_all_to_all"] = "all_to_all"  # expert parallelism.
   router_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss weight (α).
+  # Activation rematerialisation per block in training: "none", "full" (keep block inputs only),
+  # "dots" (keep non-batched matmul outputs), "dots_with_batch" (all matmul outputs).
+  remat: Literal["none", "full", "dots", "dots_with_batch"] = "none"
 
   def __post_init__(self):
     _check(self)
@@ -258,6 +261,8 @@ def _check(c: ModelConfig) -> None:
     problems.append(f"expert_block={c.expert_block} must be >= 1")
   if c.dispatch not in ("all_to_all", "ragged_all_to_all"):
     problems.append(f"dispatch={c.dispatch!r} must be 'all_to_all' or 'ragged_all_to_all'")
+  if c.remat not in ("none", "full", "dots", "dots_with_batch"):
+    problems.append(f"remat={c.remat!r} must be 'none', 'full', 'dots' or 'dots_with_batch'")
   if c.capacity_factor <= 0:
     problems.append(f"capacity_factor={c.capacity_factor} must be > 0")
   if c.dtype not in ("float32", "bfloat16") or c.param_dtype not in ("float32", "bfloat16"):

@@ -34,7 +34,7 @@ class Block(nnx.Module):
     self.eps = cfg.rms_norm_eps
 
   def __call__(self, x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes):
-    h_BTD, new_cache = self.attn(
+    h_BTD, new_cache, max_logit_H = self.attn(
       rms_norm(x_BTD, self.input_norm[...], self.eps), cos, sin, pos_BT, seg_BT, cache=cache, meshes=meshes
     )
     x_BTD = x_BTD + h_BTD
@@ -43,7 +43,8 @@ class Block(nnx.Module):
       h_BTD, aux = self.mlp(h_BTD, meshes)
     else:
       h_BTD, aux = self.mlp(h_BTD), None
-    return sharding.constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"), meshes), new_cache, aux
+    out_BTD = sharding.constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"), meshes)
+    return out_BTD, new_cache, aux, max_logit_H
 
 
 class Transformer(nnx.Module):
@@ -73,12 +74,17 @@ class Transformer(nnx.Module):
       index = cache["index"]
       k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], pos_BT.astype(jnp.int32), index, 1)
       k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segments"], seg_BT.astype(jnp.int32), index, 1)
-    latents, k_ropes, moe_aux = [], [], []
+    latents, k_ropes, moe_aux, max_logits = [], [], [], []
     for layer, block in enumerate(self.layers):
       layer_cache = None
       if cache is not None:
         layer_cache = (cache["latent"][layer], cache["k_rope"][layer], index, k_pos, k_seg)
-      x_BTD, new_layer_cache, aux = block(x_BTD, cos, sin, pos_BT, seg_BT, layer_cache, meshes)
+        x_BTD, new_layer_cache, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, layer_cache, meshes)
+      else:  # training: the block may be rematerialised in the backward pass
+        x_BTD, new_layer_cache, aux, max_logit_H = _remat(block, cfg.remat)(
+          x_BTD, cos, sin, pos_BT, seg_BT, meshes
+        )
+      max_logits.append(max_logit_H)
       if new_layer_cache is not None:
         latents.append(new_layer_cache[0])
         k_ropes.append(new_layer_cache[1])
@@ -88,6 +94,7 @@ class Transformer(nnx.Module):
     head_DV = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     logits_BTV = project("btd,dv->btv", x_BTD, head_DV, cfg.dtype).astype(jnp.float32)
     aux = _collect_aux(moe_aux, cfg)
+    aux["max_logit"] = jnp.stack(max_logits)  # [L, H]: each head's largest attention logit
     if cache is not None:
       aux["cache"] = {
         "index": index + tokens_BT.shape[1],
@@ -97,6 +104,25 @@ class Transformer(nnx.Module):
         "k_rope": jnp.stack(k_ropes),
       }
     return logits_BTV, aux
+
+
+_REMAT_POLICIES = {
+  "full": None,  # save only each block's input; recompute everything else in the backward pass
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+  "dots_with_batch": jax.checkpoint_policies.dots_saveable,  # also batched (attention) matmuls
+}
+
+
+def _remat(block: Block, policy: str):
+  """The block as a function of its activations, rematerialised per `ModelConfig.remat`."""
+
+  def run(blk, x_BTD, cos, sin, pos_BT, seg_BT, meshes):
+    return blk(x_BTD, cos, sin, pos_BT, seg_BT, None, meshes)
+
+  if policy == "none":
+    return functools.partial(run, block)
+  remat_run = nnx.remat(run, policy=_REMAT_POLICIES[policy], static_argnums=(6,))
+  return functools.partial(remat_run, block)
 
 
 def _collect_aux(moe_aux: list[dict], cfg: ModelConfig) -> dict:

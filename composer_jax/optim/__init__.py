@@ -12,13 +12,16 @@ from composer_jax.optim.optimizer import (
   labels,
   lr_schedule,
 )
+from composer_jax.optim.qk_clip import clip_factors, qk_clip
 
 __all__ = [
   "OptimizerConfig",
   "ShardedMuonState",
   "build_optimizer",
+  "clip_factors",
   "dimension_numbers",
   "labels",
   "lr_schedule",
+  "qk_clip",
   "sharded_muon",
 ]

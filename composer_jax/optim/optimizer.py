@@ -45,6 +45,7 @@ class OptimizerConfig:
   adam_b2: float = 0.95
   adam_eps: float = 1e-8
   grad_clip: float = 1.0  # global norm over all gradients; 0 disables
+  qk_clip_tau: float = 100.0  # QK-clip threshold on the max attention logit (Kimi K2); 0 disables
 
 
 def _rule(axes: tuple) -> MuonDimensionNumbers | None:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from composer_jax import model, sharding
+from composer_jax import model, optim, sharding
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train.state import TrainState, replicated
 
@@ -37,6 +37,7 @@ class TrainConfig:
   keep_checkpoints: int = 2
   router_bias_rate: float = 1e-3  # DeepSeek-V3 §2.1.2 bias update speed γ
   peak_flops: float = 180e9  # for MFU; ~2 XLA:CPU cores (notes/environment.md §7), set per accelerator
+  grad_accum: int = 1  # micro-batches per step (batch_size/grad_accum divisible by replica·fsdp)
 
 
 def next_token_loss(
@@ -55,14 +56,33 @@ def next_token_loss(
   return jnp.sum(jnp.where(mask_BT, nll_BT, 0.0)), jnp.sum(mask_BT).astype(jnp.float32)
 
 
-def loss_fn(params: Any, cfg: model.ModelConfig, batch: dict, meshes: sharding.Meshes | None):
-  """Mean next-token loss + α·balance loss; returns (total, (ce, count, aux))."""
+def loss_fn(
+  params: Any,
+  cfg: model.ModelConfig,
+  batch: dict,
+  meshes: sharding.Meshes | None,
+  token_count: jax.Array | None = None,
+  n_micro: int = 1,
+):
+  """next-token nll / token_count + α·balance loss / n_micro; returns (total, (nll sum, count, aux)).
+
+  With the defaults this is the batch's mean loss. Gradient accumulation passes the token count of
+  the whole batch and the number of micro-batches, so the summed micro-batch gradients are exactly
+  the gradient of the whole batch's mean (not a mean of per-micro-batch means).
+  """
   logits_BTV, aux = model.apply(
     params, cfg, batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], meshes=meshes
   )
   total_nll, count = next_token_loss(logits_BTV, batch["tokens"], batch["segment_ids"])
-  ce = total_nll / jnp.maximum(count, 1.0)
-  return ce + cfg.router_aux_loss_coef * aux["balance_loss"], (ce, count, aux)
+  denom = count if token_count is None else token_count
+  loss = total_nll / jnp.maximum(denom, 1.0) + cfg.router_aux_loss_coef * aux["balance_loss"] / n_micro
+  return loss, (total_nll, count, aux)
+
+
+def target_count(segment_ids_BT: jax.Array) -> jax.Array:
+  """Tokens whose next token is counted by `next_token_loss` (same document, not padding)."""
+  nxt = segment_ids_BT[:, 1:]
+  return jnp.sum((nxt == segment_ids_BT[:, :-1]) & (nxt != 0)).astype(jnp.float32)
 
 
 def batch_sharding(meshes: sharding.Meshes | None) -> Any:
@@ -76,6 +96,85 @@ def _select(ok: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def _micro_batches(batch: dict, n: int) -> dict:
+  """[B, T] → [n, B/n, T] taking rows i, i+n, i+2n… as micro-batch i.
+
+  Strided rather than contiguous: a device holding a contiguous block of rows keeps holding a
+  block of every micro-batch, so splitting moves no data between devices.
+  """
+  B = batch["tokens"].shape[0]
+  if B % n:
+    raise ValueError(f"batch_size {B} is not divisible by grad_accum {n}")
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B // n, n, *x.shape[1:]), 0, 1), batch)
+
+
+def grads_and_aux(
+  params: Any,
+  cfg: model.ModelConfig,
+  batch: dict,
+  meshes: sharding.Meshes | None,
+  *,
+  grad_accum: int = 1,
+  grad_sharding: Any = None,
+) -> tuple[Any, tuple[jax.Array, jax.Array, dict]]:
+  """Gradient of the batch's mean loss and (nll sum, token count, aux), over `grad_accum`
+  micro-batches run one after another (a scan: activations of one micro-batch live at a time)."""
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  if grad_accum == 1:
+    return grad_fn(params, cfg, batch, meshes)
+  token_count = target_count(batch["segment_ids"])
+  put = batch_sharding(meshes)
+
+  def body(acc, micro):
+    if put is not None:
+      micro = jax.lax.with_sharding_constraint(micro, put)
+    g, (nll, count, aux) = grad_fn(params, cfg, micro, meshes, token_count, grad_accum)
+    g_sum, nll_sum, count_sum, load, overflow, balance, max_logit = acc
+    g_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)
+    if grad_sharding is not None:
+      g_sum = jax.lax.with_sharding_constraint(g_sum, grad_sharding)
+    acc = (
+      g_sum,
+      nll_sum + nll,
+      count_sum + count,
+      load + aux["expert_load"],
+      overflow + aux["overflow"],
+      balance + aux["balance_loss"] / grad_accum,
+      jnp.maximum(max_logit, aux["max_logit"]),
+    )
+    return acc, None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  if grad_sharding is not None:
+    zeros = jax.lax.with_sharding_constraint(zeros, grad_sharding)
+  n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+  f32 = jnp.float32
+  init = (
+    zeros,
+    jnp.zeros((), f32),
+    jnp.zeros((), f32),
+    jnp.zeros((n_moe, cfg.n_experts), f32),
+    jnp.zeros((), f32),
+    jnp.zeros((), f32),
+    jnp.full((cfg.n_layers, cfg.n_heads), -jnp.inf, f32),
+  )
+  (g, nll, count, load, overflow, balance, max_logit), _ = jax.lax.scan(
+    body, init, _micro_batches(batch, grad_accum)
+  )
+  g = jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+  aux = {"expert_load": load, "overflow": overflow, "balance_loss": balance, "max_logit": max_logit}
+  return g, (nll, count, aux)
+
+
+def _rms(tree: Any, labels: Any, label: str) -> jax.Array:
+  """RMS over all entries of the leaves labelled `label` (0 when there are none)."""
+  leaves = [x for x, lab in zip(jax.tree.leaves(tree), jax.tree.leaves(labels), strict=True) if lab == label]
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+  return jnp.sqrt(sq / sum(x.size for x in leaves))
+
+
 def make_train_step(
   cfg: model.ModelConfig,
   tx: optax.GradientTransformation,
@@ -84,23 +183,36 @@ def make_train_step(
   meshes: sharding.Meshes | None,
   *,
   router_bias_rate: float,
+  grad_accum: int = 1,
+  qk_clip_tau: float = 0.0,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """The jitted step. A non-finite loss or gradient keeps the old params and optimizer state.
 
   `lr` is the schedule at `state.step`; it equals the applied lr while no step was skipped
-  (a skipped step does not advance the optimizer's own counter).
+  (a skipped step does not advance the optimizer's own counter). `qk_clip_tau` > 0 applies
+  QK-clip after the update with the max logits of this step's forward pass (Kimi K2 MuonClip).
+  Update RMS is reported per optimizer branch (the applied update: lr, scaling and decay included).
   """
+  if grad_accum < 1:
+    raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
   trainable = model.trainable_mask(cfg)
+  branch = optim.labels(cfg)
+  grad_sharding = None if state_sharding is None else state_sharding.params
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, (ce, count, aux)), grads = grad_fn(state.params, cfg, batch, meshes)
+    grads, (nll, count, aux) = grads_and_aux(
+      state.params, cfg, batch, meshes, grad_accum=grad_accum, grad_sharding=grad_sharding
+    )
+    ce = nll / jnp.maximum(count, 1.0)
     grad_norm = optax.tree.norm(jax.tree.map(lambda g, t: g if t else jnp.zeros(()), grads, trainable))
     ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # Aux-loss-free balancing: move the router bias by the load of this batch, outside the gradient.
     params = model.update_router_bias(params, aux["expert_load"], router_bias_rate)
+    max_logit_LH = aux["max_logit"]
+    if qk_clip_tau > 0:
+      params = optim.qk_clip(params, max_logit_LH, cfg, qk_clip_tau)
     new = TrainState(
       step=state.step + 1,
       params=_select(ok, params, state.params),
@@ -118,6 +230,12 @@ def make_train_step(
       "tokens": count,
       "expert_load_max_over_mean": imbalance,
       "overflow": jnp.asarray(aux["overflow"], jnp.float32),
+      "max_attention_logit": jnp.max(max_logit_LH),
+      "qk_clipped_heads": jnp.sum(max_logit_LH > qk_clip_tau).astype(jnp.float32)
+      if qk_clip_tau > 0
+      else jnp.zeros(()),
+      "muon_update_rms": _rms(updates, branch, "muon"),
+      "adam_update_rms": _rms(updates, branch, "adam"),
       "skipped": 1 - ok.astype(jnp.int32),
     }
     return new, out
