@@ -14,7 +14,12 @@
   pretrain  next-token training on the stdlib corpus (built under <workdir>/tfds), sharded Muon +
             AdamW, validation every `train.eval_every` steps, checkpoints in <workdir>/checkpoints
             (rerun the same command to resume; Ctrl-C saves first), metrics in <workdir>/metrics.
-`synth`, `sft` and `rl` arrive with later issues.
+  synth     feature-deletion coding tasks from `synth.sources` (pinned PyPI sdists, cached under
+            <workdir>/synth_sources) and `synth.local_dir`: one progress line per candidate, a summary
+            table per source, tasks in the TFDS dataset <workdir>/synth_tasks, summary <workdir>/synth.json
+            (Ctrl-C writes the tasks built so far). Needs bubblewrap + PyPI.
+  python run.py --config=experiments/composer25.py --config.stages=synth --config.synth.max_tasks_per_source=3
+`sft` and `rl` arrive with later issues.
 
 Variants:
   tiny           CPU default (about a minute on 2 cores). Dense mesh (replica=4, fsdp=1, context=2) and
@@ -40,7 +45,7 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.variant = variant
   c.seed = 0
-  c.stages = "demo"  # comma-separated: demo, pretrain; synth, sft, rl arrive with later issues.
+  c.stages = "demo"  # comma-separated: demo, pretrain, synth; sft, rl arrive with later issues.
   c.workdir = config_dict.placeholder(str)  # None: run.py's --workdir, else runs/<variant>.
 
   c.mesh = ml_collections.ConfigDict()
@@ -55,6 +60,7 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
       max_files=config_dict.placeholder(int),  # None: all files
     )
   )
+  c.synth = _synth(variant)
   if variant == "tiny":
     c.mesh.dense = (4, 1, 2)  # (replica, fsdp, context); 8 devices.
     c.mesh.expert = (8, 1)  # (expert, expert_fsdp); 8 devices, one expert each.
@@ -74,6 +80,21 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     c.demo.prompt_len = 256
     c.demo.decode_tokens = 16
   return c
+
+
+def _synth(variant: str) -> ml_collections.ConfigDict:
+  """The `synth` stage (composer_jax/synth/build.py)."""
+  from composer_jax.synth.sources import DEFAULT_SOURCES  # stdlib only: cheap to import here
+
+  s = dict(
+    sources=",".join(src.name for src in DEFAULT_SOURCES),  # comma-separated DEFAULT_SOURCES names; "" none
+    local_dir=config_dict.placeholder(str),  # a local repository (with tests) to cut tasks from as well
+    mode="stub",  # "stub": body -> NotImplementedError, signature + docstring kept; "remove": definition gone
+    max_tasks_per_source=3 if variant == "tiny" else config_dict.placeholder(int),  # None: all candidates
+    runs=3,  # baseline suite runs (flaky tests dropped)
+    timeout_s=300.0,  # per sandboxed suite run
+  )
+  return ml_collections.ConfigDict(s)
 
 
 def _train(variant: str) -> ml_collections.ConfigDict:
@@ -113,6 +134,7 @@ def _optim(variant: str) -> ml_collections.ConfigDict:
     adam_b2=0.95,
     adam_eps=1e-8,
     grad_clip=1.0,
+    matrix_optimizer="muon",  # "adamw": AdamW on the matrices too (ablation)
     qk_clip_tau=100.0,  # QK-clip (Kimi K2 MuonClip) caps each head's max attention logit; 0 disables
   )
   return ml_collections.ConfigDict(o)

@@ -131,14 +131,31 @@ def _axis_name(axes: tuple[str, ...]) -> str | tuple[str, ...]:
   return axes[0] if len(axes) == 1 else axes
 
 
+def _copy_axes(view: _View) -> tuple[str, ...]:
+  """Mesh axes (size > 1) that shard none of the view's B, M, K: each holds a full copy."""
+  if view.mesh is None:
+    return ()
+  used = set(sum(view.axes, ()))
+  return tuple(a for a, size in view.mesh.shape.items() if a not in used and size > 1)
+
+
 def _orthogonalize_group(xs_BMK: list[jax.Array], view: _View, coeffs_S3, norm_scale: float, eps: float):
-  """One group's local blocks → whole matrices by all_to_all → NS → back (runs inside shard_map)."""
+  """One group's local blocks → whole matrices by all_to_all → NS → back (runs inside shard_map).
+
+  Mesh axes that shard none of B, M, K hold identical copies of the group (the replica axis of
+  HSDP, an fsdp axis of size 1 aside). Rather than orthogonalise every matrix on every copy, each
+  copy takes 1/r of the whole matrices and an all_gather over those axes restores the rest: NS
+  work per device is the group's total ÷ (all devices), the ideal.
+  """
   counts = [x.shape[0] for x in xs_BMK]
   x_NMK = jnp.concatenate(xs_BMK, axis=0) if len(xs_BMK) > 1 else xs_BMK[0]
   _, m_axes, k_axes = view.axes
-  devices = math.prod(view.mesh.shape[a] for a in m_axes + k_axes) if view.mesh is not None else 1
+  shape = view.mesh.shape if view.mesh is not None else {}
+  devices = math.prod(shape[a] for a in m_axes + k_axes)
+  free = _copy_axes(view)
+  copies = math.prod(shape[a] for a in free)
   n = x_NMK.shape[0]
-  pad = -n % devices
+  pad = -n % (devices * copies)
   if pad:
     x_NMK = jnp.concatenate([x_NMK, jnp.zeros((pad,) + x_NMK.shape[1:], x_NMK.dtype)], axis=0)
   # Rows then columns: [P, M/m, K/k] → [P/m, M, K/k] → [P/(m·k), M, K], whole matrices per device.
@@ -146,7 +163,12 @@ def _orthogonalize_group(xs_BMK: list[jax.Array], view: _View, coeffs_S3, norm_s
     x_NMK = jax.lax.all_to_all(x_NMK, _axis_name(m_axes), 0, 1, tiled=True)
   if k_axes:
     x_NMK = jax.lax.all_to_all(x_NMK, _axis_name(k_axes), 0, 2, tiled=True)
+  if copies > 1:  # this copy's share of the whole matrices
+    share = x_NMK.shape[0] // copies
+    x_NMK = jax.lax.dynamic_slice_in_dim(x_NMK, jax.lax.axis_index(free) * share, share, axis=0)
   y_NMK = newton_schulz.orthogonalize(x_NMK, coeffs_S3, norm_scale, eps)
+  if copies > 1:
+    y_NMK = jax.lax.all_gather(y_NMK, free, axis=0, tiled=True)
   if k_axes:
     y_NMK = jax.lax.all_to_all(y_NMK, _axis_name(k_axes), 2, 0, tiled=True)
   if m_axes:
@@ -186,7 +208,10 @@ def _orthogonalize_all(mu_hats: dict, views: dict, coeffs_S3, norm_scale: float,
       ys_BMK = body(*xs_BMK)
     else:
       specs = tuple(views[i].spec() for i in members)
-      ys_BMK = jax.shard_map(body, mesh=v0.mesh, in_specs=specs, out_specs=specs)(*xs_BMK)
+      # all_gather over the replica axes makes the output equal on every copy, but shard_map's
+      # replication check can't infer that through it (jax has no public invariant all_gather).
+      check = not _copy_axes(v0)
+      ys_BMK = jax.shard_map(body, mesh=v0.mesh, in_specs=specs, out_specs=specs, check_vma=check)(*xs_BMK)
     for i, y_BMK in zip(members, ys_BMK, strict=True):
       perm = views[i].perm
       y = y_BMK.reshape(views[i].unflat).transpose(tuple(sorted(range(len(perm)), key=perm.__getitem__)))

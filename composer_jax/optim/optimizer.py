@@ -45,6 +45,7 @@ class OptimizerConfig:
   adam_b2: float = 0.95
   adam_eps: float = 1e-8
   grad_clip: float = 1.0  # global norm over all gradients; 0 disables
+  matrix_optimizer: str = "muon"  # "adamw": AdamW on the matrices too (the ablation / benchmark peer)
   qk_clip_tau: float = 100.0  # QK-clip threshold on the max attention logit (Kimi K2); 0 disables
 
 
@@ -108,6 +109,8 @@ def build_optimizer(
   (the same rule `model.init` uses). `model_cfg` supplies the logical axes and the trainable mask.
   Call the result's `init` eagerly (see `sharded_muon`).
   """
+  if cfg.matrix_optimizer not in ("muon", "adamw"):
+    raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw'; got {cfg.matrix_optimizer!r}.")
   schedule = lr_schedule(cfg)
   shardings = None
   if meshes is not None:
@@ -132,7 +135,10 @@ def build_optimizer(
     weight_decay=cfg.weight_decay,
     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),  # decay embeddings/head/router, not norms
   )
-  tx = optax.partition({"muon": muon, "adam": adam, "frozen": optax.set_to_zero()}, labels(model_cfg))
+  branches = labels(model_cfg)
+  if cfg.matrix_optimizer == "adamw":
+    branches = jax.tree.map(lambda b: "adam" if b == "muon" else b, branches)
+  tx = optax.partition({"muon": muon, "adam": adam, "frozen": optax.set_to_zero()}, branches)
   if cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
   return tx
