@@ -6,7 +6,7 @@ import math
 import os
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -26,6 +26,8 @@ def _cpu_only() -> bool:
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:  # orbax/tfds log every file operation at INFO
+    logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   if _cpu_only():
     # One CPU device per mesh position, as tests/conftest.py does; must precede backend init.

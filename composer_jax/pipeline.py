@@ -2,7 +2,9 @@
 
 `demo`: build both meshes, initialise the sharded model, print where each parameter lives, run one
 forward pass and greedy-decode a few tokens. `pretrain`: next-token training on the stdlib corpus,
-resuming from `<workdir>/checkpoints`. Synthetic tasks, SFT and RL stages arrive with later issues.
+resuming from `<workdir>/checkpoints`. `synth`: feature-deletion coding tasks from real repositories
+(`composer_jax/synth/build.py`) into the TFDS dataset `<workdir>/synth_tasks`. SFT and RL stages arrive
+with later issues.
 
 Shape suffixes: B batch, T time, V vocab, N decoded tokens.
 """
@@ -22,7 +24,7 @@ import numpy as np
 from composer_jax import model, sharding
 from composer_jax.model.config import ModelConfig, RopeConfig
 
-STAGES = ("demo", "pretrain")
+STAGES = ("demo", "pretrain", "synth")
 _log = functools.partial(print, "[pipeline]", flush=True)
 
 
@@ -158,10 +160,12 @@ def pretrain(config: Any, workdir: str) -> dict[str, Any]:
     writer.close()
   summary["checkpoints"] = ckpt.all_steps()
   pathlib.Path(workdir, "pretrain.json").write_text(json.dumps(summary, indent=1))
+  f = lambda key: "n/a" if summary[key] is None else f"{summary[key]:.4f}"  # noqa: E731
   _log(
-    f"pretrain: steps {summary['start_step']}→{summary['steps']}, train loss {summary['first_train_loss']} → "
-    f"{summary['last_train_loss']}, validation {summary['first_validation_loss']} → "
-    f"{summary['last_validation_loss']}, {summary['tokens_per_s']:,.0f} tok/s"
+    f"pretrain: steps {summary['start_step']}→{summary['steps']}, "
+    f"train loss {f('first_train_loss')} → {f('last_train_loss')}, "
+    f"validation {f('first_validation_loss')} → {f('last_validation_loss')}, "
+    f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f} s"
   )
   return summary
 
@@ -180,7 +184,24 @@ def optimizer_config_from(config: Any) -> Any:
   return optim.OptimizerConfig(**fields)
 
 
-_STAGE_FNS = {"demo": demo, "pretrain": pretrain}
+def synth(config: Any, workdir: str) -> dict[str, Any]:
+  """Feature-deletion tasks for `config.synth.sources` (+ `local_dir`); writes `<workdir>/synth.json`."""
+  from composer_jax.synth import build  # subprocess-heavy, no jax: imported only by this stage
+
+  s = config.synth
+  items = build.resolve_sources(s.sources, s.local_dir)
+  _log(f"synth: {len(items)} source(s), mode {s.mode}, max {s.max_tasks_per_source} task(s) per source")
+  return build.build(
+    items,
+    workdir,
+    mode=s.mode,
+    max_tasks_per_source=s.max_tasks_per_source,
+    runs=s.runs,
+    timeout_s=s.timeout_s,
+  )
+
+
+_STAGE_FNS = {"demo": demo, "pretrain": pretrain, "synth": synth}
 
 
 @dataclasses.dataclass(frozen=True)

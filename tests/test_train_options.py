@@ -120,35 +120,29 @@ def _muon_tx(cfg, meshes):
   )
 
 
-def test_grad_accumulation_equals_one_big_batch(meshes):
-  """2 micro-batches of 4 rows (uneven token counts) → the same step as one batch of 8."""
+def test_grad_accumulation_equals_one_big_batch_and_step_metrics(meshes):
+  """2 micro-batches of 4 rows (uneven token counts) → the same step as one batch of 8; QK-clip
+  with a tiny τ (every head clipped) and the step's metrics checked on the way."""
   tx = _muon_tx(TINY, meshes)
   batch = _batch(TINY, B=8)
   batch["segment_ids"][::3, -5:] = 0  # padding in some rows only: micro-batches count different tokens
   outs = []
   for n in (1, 2):
-    state, step = _step(TINY, meshes, tx, grad_accum=n)
+    state, step = _step(TINY, meshes, tx, grad_accum=n, qk_clip_tau=1e-3)
+    before = jax.device_get(state.params)
     state, m = step(state, batch)
     outs.append((jax.device_get(state.params), jax.device_get(m)))
   (p1, m1), (p2, m2) = outs
-  for k in ("loss", "grad_norm", "tokens", "max_attention_logit", "muon_update_rms"):
+  for k in ("loss", "grad_norm", "tokens", "max_attention_logit", "muon_update_rms", "adam_update_rms"):
     np.testing.assert_allclose(m2[k], m1[k], rtol=2e-5, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6), p1, p2)
+  assert m1["qk_clipped_heads"] == TINY.n_layers * TINY.n_heads and m1["max_attention_logit"] > 1e-3
+  # Moonlight scale: Muon's applied update RMS ≈ 0.2·lr (NS output singular values ≈ 0.7-1.1).
+  assert 0.1 < m1["muon_update_rms"] / 1e-2 < 0.3 and m1["adam_update_rms"] > 0
+  q, q0 = p1["layers"][0]["attn"]["q_b_proj"], before["layers"][0]["attn"]["q_b_proj"]
+  assert np.max(np.abs(q)) < np.max(np.abs(q0))  # clipped by τ/S ≪ 1
   with pytest.raises(ValueError, match="grad_accum"):
     _step(TINY, meshes, tx, grad_accum=0)
-
-
-def test_step_metrics_and_qk_clip_in_the_step(meshes):
-  tx = _muon_tx(TINY, meshes)
-  state, step = _step(TINY, meshes, tx, qk_clip_tau=1e-3)  # every head clipped
-  before = jax.device_get(state.params)
-  state, m = step(state, _batch(TINY))
-  m = jax.device_get(m)
-  assert m["qk_clipped_heads"] == TINY.n_layers * TINY.n_heads and m["max_attention_logit"] > 1e-3
-  # Moonlight scale: Muon's applied update RMS ≈ 0.2·lr (NS output singular values ≈ 0.7-1.1).
-  assert 0.1 < m["muon_update_rms"] / 1e-2 < 0.3 and m["adam_update_rms"] > 0
-  q = state.params["layers"][0]["attn"]["q_b_proj"]
-  assert float(jnp.max(jnp.abs(q))) < float(np.max(np.abs(before["layers"][0]["attn"]["q_b_proj"])))
 
 
 def test_bf16_compute_keeps_fp32_master_weights(meshes):

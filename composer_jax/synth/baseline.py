@@ -57,11 +57,13 @@ def copy_tree(src: str | os.PathLike, dest: str | os.PathLike) -> pathlib.Path:
   return pathlib.Path(dest)
 
 
-def parse_junit(path: str | os.PathLike) -> dict[str, str]:
-  """Node id -> outcome from an xunit1 JUnit file. Failure or error anywhere (setup/call/teardown) wins."""
+def parse_junit(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, str]:
+  """Node id -> outcome from an xunit1 JUnit file. Failure or error anywhere (setup/call/teardown) wins.
+
+  `root`: the directory pytest ran in, to place tests whose function is defined in another file."""
   outcomes: dict[str, str] = {}
   for case in ET.parse(path).getroot().iter("testcase"):
-    nodeid = _nodeid(case.get("file"), case.get("classname", ""), case.get("name", ""))
+    nodeid = _nodeid(case.get("file"), case.get("classname", ""), case.get("name", ""), root)
     tags = {child.tag for child in case}
     if tags & {"failure", "error"}:
       outcome = FAILED
@@ -74,13 +76,33 @@ def parse_junit(path: str | os.PathLike) -> dict[str, str]:
   return outcomes
 
 
-def _nodeid(file: str | None, classname: str, name: str) -> str:
-  """`tests/test_m.py::TestC::test_x[1]` from xunit1's file + dotted classname + name."""
+def _nodeid(file: str | None, classname: str, name: str, root: str | os.PathLike | None = None) -> str:
+  """`tests/test_m.py::TestC::test_x[1]` from xunit1's file + dotted classname + name.
+
+  xunit1's `file` is where the test *function* is defined: for a method inherited from a mixin in another
+  module (cachetools' `tests/__init__.py` CacheTestMixin) it is not the collecting module, and every
+  subclass's test would collapse into one id that pytest cannot select. Then the collecting module is the
+  longest dotted prefix of `classname` that is a `.py` file under `root` (without `root`: the parts before
+  the first capitalised one).
+  """
   if not file:  # collection errors carry no file; keep them distinguishable from real tests
     return f"{classname}::{name}" if classname else name
   module = file[:-3].replace("/", ".") if file.endswith(".py") else file
-  rest = classname[len(module) :].lstrip(".") if classname.startswith(module) else ""
-  return "::".join([file, *(rest.split(".") if rest else []), name])
+  if classname == module or classname.startswith(module + "."):
+    rest = classname[len(module) :].lstrip(".")
+    return "::".join([file, *(rest.split(".") if rest else []), name])
+  parts = classname.split(".") if classname else []
+  k = None
+  if root is not None:
+    k = next(
+      (i for i in range(len(parts), 0, -1) if pathlib.Path(root, *parts[:i]).with_suffix(".py").is_file()),
+      None,
+    )
+  if k is None:
+    k = next((i for i, p in enumerate(parts) if p[:1].isupper()), None)
+  if not k:
+    return "::".join([file, name])
+  return "::".join(["/".join(parts[:k]) + ".py", *parts[k:], name])
 
 
 def run_suite(
@@ -100,7 +122,7 @@ def run_suite(
     result = box.run(cmd, task_dir)
     found = report.is_file()
     try:
-      outcomes = parse_junit(report) if found else {}
+      outcomes = parse_junit(report, task_dir) if found else {}
     except ET.ParseError:
       found, outcomes = False, {}
   finally:

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 
-from composer_jax.synth import baseline, deletion, features, monitor, scrub, sources, validate
+from composer_jax.synth import baseline, deletion, features, monitor, sandbox, scrub, sources, validate
 
 _TEST_CONFIG = {"pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py"}
 _STARTUP = re.compile(r"(^|/)(sitecustomize|usercustomize)(\.py$|/)|\.pth$")
@@ -162,6 +162,7 @@ def make_tasks(
   max_test_fraction: float = 0.5,
   timeout_s: float = 300.0,
   info: dict | None = None,
+  on_task: Callable[[Task], None] | None = None,
 ) -> list[Task]:
   """Baseline ×`runs` → coverage candidates → for each (file, line order): delete → validate → leak scan
   → gold patch graded through `grade` (must score 1.0 with no flag).
@@ -172,7 +173,8 @@ def make_tasks(
 
   `venv`: the source's venv (`sources.make_venv`); None builds one next to `source_dir` (`<dir>.venv`).
   `progress(i, n, name, status)` is called per candidate with "ok" or the rejection reason; `rejections`
-  counts reasons; `info` (if given) receives the baseline (passing / flaky counts and ids).
+  counts reasons; `info` (if given) receives the baseline (passing / flaky counts and ids); `on_task(task)`
+  sees each valid task as soon as it is built (so a caller interrupted mid-source keeps it).
   """
   src = pathlib.Path(source_dir).resolve()
   if venv is None:
@@ -197,6 +199,8 @@ def make_tasks(
       rejections[reason] += 1
     else:
       tasks.append(task)
+      if on_task is not None:
+        on_task(task)
     if progress is not None:
       progress(i, len(cands), feat.qualname, "ok" if task else reason)
   return tasks
@@ -335,7 +339,12 @@ def grade(
     diff = tree_diff(ref, repo_dir)
     mods = validate.top_level_modules(task.repo_dir)
     report = monitor.check(
-      diff, actions, hidden_tests="\n".join(task.test_files.values()), package=mods[0] if mods else None
+      diff,
+      actions,
+      hidden_tests="\n".join(task.test_files.values()),
+      package=mods[0] if mods else None,
+      original_source=_removed_lines(task.patch),  # the deleted code = the gold patch's added lines
+      repo_roots=(str(pathlib.Path(repo_dir).resolve()), sandbox.WORKDIR),
     )
     work = baseline.copy_tree(repo_dir, pathlib.Path(tmp, "work"))
     scrub.scrub_residues(work, git_commit=False)
