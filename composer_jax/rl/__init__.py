@@ -1,0 +1,35 @@
+"""RL on multi-turn tool rollouts: turn format, sampler, environments, objectives, text feedback.
+
+  from composer_jax import rl
+  traj = rl.envs.rollout(rl.envs.toy.ToyEnv(), seed, act)           # chat.Trajectory, never raises
+  batch = rl.to_arrays(trajs, pad_to=256)                            # padded numpy batch
+  for k, kind in rl.feedback.detect(traj, env.info()):               # turns that went wrong
+    t = rl.feedback.teacher_inputs(traj, k, rl.feedback.hint_ids(rl.feedback.hint_for(kind, env.info())))
+  rl.feedback_loss(student_logits, teacher_logits, mask, kind="reverse_kl")   # -> (sum, count)
+  rl.policy_loss(logp, old_logp, adv, mask, objective="drgrpo")               # -> (sum, count)
+
+`rl.envs` (toy and coding environments) is a subpackage, imported on use: the coding env pulls in synth.
+"""
+
+from composer_jax.rl import chat, feedback
+from composer_jax.rl.chat import ParseError, ToolCall, Trajectory, parse_tool_call, to_arrays
+from composer_jax.rl.divergence import feedback_loss
+from composer_jax.rl.feedback import FeedbackRules, detect, hint_for, teacher_inputs
+from composer_jax.rl.objectives import advantages, policy_loss
+
+__all__ = [
+  "FeedbackRules",
+  "ParseError",
+  "ToolCall",
+  "Trajectory",
+  "advantages",
+  "chat",
+  "detect",
+  "feedback",
+  "feedback_loss",
+  "hint_for",
+  "parse_tool_call",
+  "policy_loss",
+  "teacher_inputs",
+  "to_arrays",
+]
