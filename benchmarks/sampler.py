@@ -26,9 +26,7 @@ import dataclasses
 import datetime
 import functools
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -38,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from machine import describe as machine  # noqa: E402
 from model_step import BENCH  # noqa: E402
 
 from composer_jax import model  # noqa: E402
@@ -68,16 +67,6 @@ def naive_sample(params, cfg, prompts_BP, lengths_B, keys_B, temperature, top_k,
 
   _, out_BN = jax.lax.fori_loop(0, N, step, (buf_BT, jnp.zeros((B, N), jnp.int32)))
   return out_BN
-
-
-def machine() -> str:
-  name = platform.processor() or "unknown CPU"
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-  except (OSError, subprocess.CalledProcessError, StopIteration):
-    pass
-  return f"{name}, {os.cpu_count()} cores; one XLA:{jax.devices()[0].platform.upper()} device"
 
 
 def main():

@@ -53,6 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from benchmarks.machine import describe as machine  # noqa: E402
 from benchmarks.model_step import BATCH, BENCH, SEQ  # noqa: E402
 from composer_jax import model, optim, sharding, train  # noqa: E402
 from composer_jax.optim import muon as muon_lib  # noqa: E402
@@ -253,23 +254,6 @@ def matmul_peak(n: int = 2048, tries: int = 5) -> float:
     mm(a, b).block_until_ready()
     best = min(best, time.perf_counter() - t0)
   return 2 * n**3 / best
-
-
-def machine() -> str:
-  model_name = platform.processor() or "unknown CPU"
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    model_name = next(
-      line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")
-    )
-  except (OSError, subprocess.CalledProcessError, StopIteration):
-    pass
-  mem = ""
-  try:
-    mem = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
-  except (ValueError, OSError):
-    pass
-  return f"{model_name}, {os.cpu_count()} cores{mem}; one XLA:{jax.devices()[0].platform.upper()} device"
 
 
 def public_command(argv: list[str]) -> str:
