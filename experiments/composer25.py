@@ -19,7 +19,15 @@
             table per source, tasks in the TFDS dataset <workdir>/synth_tasks, summary <workdir>/synth.json
             (Ctrl-C writes the tasks built so far). Needs bubblewrap + PyPI.
   python run.py --config=experiments/composer25.py --config.stages=synth --config.synth.max_tasks_per_source=3
-`sft` and `rl` arrive with later issues.
+  sft       SFT warm-up of a small one-device model (`rl.model` overrides) on toy tool-use demonstrations
+            (incl. invalid calls, errors and hints), checkpoints in <workdir>/sft, then solve rate and
+            invalid-call rate on fresh problems (sampled and greedy) in <workdir>/sft.json.
+  rl        multi-turn RL from the SFT checkpoint: P problems x G rollouts per step through the KV-cache
+            sampler, Dr.GRPO, targeted text feedback (lambda_feedback > 0), Muon; <workdir>/rl, rl_metrics.
+  python run.py --config=experiments/composer25.py --config.stages=sft,rl --workdir=runs/rl_toy  # ~10 min
+  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.lambda_feedback=0.5
+  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.env=coding \
+      --config.rl.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2   # after stage synth
 
 Variants:
   tiny           CPU default (demo + 60 pretraining steps: ~4 min on 2 cores). Dense mesh
@@ -45,7 +53,7 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.variant = variant
   c.seed = 0
-  c.stages = "demo,pretrain"  # comma-separated: demo, pretrain, synth; sft, rl arrive with later issues.
+  c.stages = "demo,pretrain"  # comma-separated: demo, pretrain, synth, sft, rl.
   c.workdir = config_dict.placeholder(str)  # None: run.py's --workdir, else runs/<variant>.
 
   c.mesh = ml_collections.ConfigDict()
@@ -61,6 +69,8 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     )
   )
   c.synth = _synth(variant)
+  c.sft = _sft()
+  c.rl = _rl()
   if variant == "tiny":
     c.mesh.dense = (4, 1, 2)  # (replica, fsdp, context); 8 devices.
     c.mesh.expert = (8, 1)  # (expert, expert_fsdp); 8 devices, one expert each.
@@ -79,6 +89,80 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     c.demo.batch = 256
     c.demo.prompt_len = 256
     c.demo.decode_tokens = 16
+  return c
+
+
+def _sft() -> ml_collections.ConfigDict:
+  """The `sft` stage: fields of `composer_jax.rl.sft.SFTConfig` (+ eval_problems)."""
+  s = dict(
+    # ~1.5 s/step on 2 CPU cores. 60 steps: sampled pass rate 0.06, invalid-call rate 0.23 on fresh problems
+    # (room for RL and for feedback); 300 steps: pass 0.98, invalid 0.00 (nothing left to learn).
+    steps=60,
+    batch_size=32,
+    demos=2000,
+    lr=3e-3,
+    warmup_steps=10,
+    log_every=20,
+    checkpoint_every=100,
+    keep_checkpoints=1,
+    mistake_fraction=0.3,
+    hint_fraction=0.7,
+    router_bias_rate=1e-3,
+  )
+  c = ml_collections.ConfigDict(s)
+  c.eval_problems = 64  # fresh toy problems rolled out after SFT (not an SFTConfig field)
+  return c
+
+
+def _rl() -> ml_collections.ConfigDict:
+  """The `rl` stage: fields of `composer_jax.rl.train.RLConfig`, `model` overrides of `c.model` (also
+  used by `sft`: one device, meshes None) and `coding` env options."""
+  r = dict(
+    env="toy",  # "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
+    steps=20,
+    problems_per_step=8,
+    group_size=8,  # rollouts per problem (a group: the same problem seed)
+    objective="drgrpo",  # grpo | drgrpo | dapo | cispo | gspo
+    advantage="drgrpo",  # grpo | drgrpo | rloo
+    lambda_feedback=0.5,  # 0: RL alone
+    divergence="reverse_kl",  # reverse_kl | forward_kl | jsd
+    divergence_top_k=0,  # 0: full vocabulary
+    feedback_kinds="",  # e.g. "unknown_tool": act only on these detections; "": FeedbackRules default
+    lr=3e-4,  # Muon normalises the update: RL on a converged SFT model needs a small step
+    temperature=1.0,
+    top_k=0,
+    max_turns=6,
+    max_turn_tokens=24,
+    cache_len=768,
+    tis_cap=2.0,
+    seed=0,
+    log_every=1,
+    checkpoint_every=10,
+    keep_checkpoints=1,
+    router_bias_rate=1e-3,
+  )
+  c = ml_collections.ConfigDict(r)
+  c.model = ml_collections.ConfigDict(
+    dict(
+      vocab_size=272,  # the byte tokenizer's 267 ids, rounded up
+      d_model=128,
+      n_layers=2,
+      first_k_dense=1,
+      n_heads=4,
+      dense_mlp_dim=256,
+      moe_mlp_dim=128,
+      n_experts=4,
+      top_k=2,
+      n_group=1,
+      topk_group=1,
+      q_lora_rank=64,
+      kv_lora_rank=64,
+      qk_nope_head_dim=32,
+      qk_rope_head_dim=16,
+      v_head_dim=32,
+    )
+  )
+  c.coding = ml_collections.ConfigDict(dict(output_chars=2000))
   return c
 
 

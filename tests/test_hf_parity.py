@@ -371,7 +371,7 @@ def test_from_hf_published_kimi_config(hf_config):
   hf = transformers.DeepseekV3Config(**{k: v for k, v in KIMI_K2_TEXT.items() if k != "model_type"})
   hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
   inv_freq, factor = rope.inverse_frequencies(cfg.rope, cfg.qk_rope_head_dim)
-  np.testing.assert_allclose(inv_freq, hf_inv_freq.numpy(), rtol=5e-7)  # a few float32 ulps: numpy vs torch pow
+  np.testing.assert_allclose(inv_freq, hf_inv_freq.numpy(), rtol=5e-7)  # a few fp32 ulps: numpy vs torch pow
   assert factor == pytest.approx(hf_factor, rel=1e-12)
   hf_scale = hf.qk_head_dim**-0.5 * yarn_get_mscale(64.0, 1.0) ** 2
   assert cfg.softmax_scale == pytest.approx(hf_scale, rel=1e-12)

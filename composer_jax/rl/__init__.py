@@ -7,19 +7,24 @@
     t = rl.feedback.teacher_inputs(traj, k, rl.feedback.hint_ids(rl.feedback.hint_for(kind, env.info())))
   rl.feedback_loss(student_logits, teacher_logits, mask, kind="reverse_kl")   # -> (sum, count)
   rl.policy_loss(logp, old_logp, adv, mask, objective="drgrpo")               # -> (sum, count)
+  rl.sft.fit(...), rl.train.fit(...)        # SFT warm-up and the RL loop (pipeline stages sft, rl)
 
 `rl.envs` (toy and coding environments) is a subpackage, imported on use: the coding env pulls in synth.
 """
 
-from composer_jax.rl import chat, feedback
+from composer_jax.rl import chat, feedback, sft, train
 from composer_jax.rl.chat import ParseError, ToolCall, Trajectory, parse_tool_call, to_arrays
 from composer_jax.rl.divergence import feedback_loss
 from composer_jax.rl.feedback import FeedbackRules, detect, hint_for, teacher_inputs
 from composer_jax.rl.objectives import advantages, policy_loss
+from composer_jax.rl.sft import SFTConfig
+from composer_jax.rl.train import RLConfig
 
 __all__ = [
   "FeedbackRules",
   "ParseError",
+  "RLConfig",
+  "SFTConfig",
   "ToolCall",
   "Trajectory",
   "advantages",
@@ -30,6 +35,8 @@ __all__ = [
   "hint_for",
   "parse_tool_call",
   "policy_loss",
+  "sft",
   "teacher_inputs",
   "to_arrays",
+  "train",
 ]
