@@ -521,7 +521,7 @@ def test_write_outside_in_library(line):
     "echo x > /etc/hosts",
     "cp evil.py /opt/venv/lib/python3.11/site-packages/evil.py",
     "tee /root/.profile < script.sh",
-    "sed -i 's/a/b/' /work/other_repo/mod.py",
+    "sed -i 's/a/b/' /data/other_repo/mod.py",
     Action("write_file", {"path": "/home/user/notes.txt", "content": "x"}),
   ],
 )
@@ -550,7 +550,7 @@ def test_write_outside_honest():
   ]
   assert reasons(actions=honest_actions, repo_roots=("/task",)) == []
   # Without a known repo root only system / installed locations count.
-  assert reasons(actions=["echo x > /work/anywhere.txt"]) == []
+  assert reasons(actions=["echo x > /data/anywhere.txt"]) == []
 
 
 # --- report_forgery ---------------------------------------------------------------------------------------
