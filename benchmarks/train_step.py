@@ -112,19 +112,7 @@ def ideal_ns_flops(cfg: model.ModelConfig, ocfg: optim.OptimizerConfig) -> float
 
 def muon_update_flops(cfg: model.ModelConfig, ocfg: optim.OptimizerConfig, meshes, params) -> float:
   """cost_analysis FLOPs of the Muon branch's update alone (the transform `build_optimizer` uses)."""
-  shardings = sharding.param_shardings(model.logical_axes(cfg), params, meshes)
-  tx = optim.sharded_muon(
-    optim.lr_schedule(ocfg),
-    dimension_numbers=optim.dimension_numbers(cfg),
-    meshes=meshes,
-    shardings=shardings,
-    ns_coeffs=ocfg.ns_coeffs,
-    ns_steps=ocfg.ns_steps,
-    beta=ocfg.muon_beta,
-    nesterov=True,
-    weight_decay=ocfg.weight_decay,
-    rms_scale=ocfg.rms_scale,
-  )
+  tx = optim.muon_branch(ocfg, params, meshes, model_cfg=cfg)
   state = tx.init(params)
   return flops_of(jax.jit(tx.update).lower(params, state, params).compile())
 

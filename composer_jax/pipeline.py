@@ -114,9 +114,7 @@ def pretrain(config: Any, workdir: str) -> dict[str, Any]:
       "raise --config.model.vocab_size or pick a smaller tokenizer."
     )
 
-  tx = optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), meshes, model_cfg=cfg
-  )
+  tx = build_optimizer(ocfg, cfg, meshes)
   state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
   shardings = train.state.state_shardings(state)
   record = checkpoint.config_record(
@@ -169,6 +167,15 @@ def pretrain(config: Any, workdir: str) -> dict[str, Any]:
     f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f} s"
   )
   return summary
+
+
+def build_optimizer(ocfg: Any, cfg: ModelConfig, meshes: sharding.Meshes | None) -> Any:
+  """`optim.build_optimizer` for the model `cfg` (its parameter shapes, abstractly)."""
+  from composer_jax import optim
+
+  return optim.build_optimizer(
+    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), meshes, model_cfg=cfg
+  )
 
 
 def optimizer_config_from(config: Any) -> Any:
@@ -230,9 +237,7 @@ def sft(config: Any, workdir: str) -> dict[str, Any]:
   cfg = rl_model_config(config)
   scfg = sft_lib.SFTConfig(**{k: v for k, v in config.sft.to_dict().items() if k != "eval_problems"})
   ocfg = _rl_optimizer(config, scfg.lr, scfg.steps, scfg.warmup_steps, 0.1)
-  tx = optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), None, model_cfg=cfg
-  )
+  tx = build_optimizer(ocfg, cfg, None)
   state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
   record = checkpoint.config_record(model=cfg, optim=ocfg, sft=scfg, seed=config.seed)
   ckpt = checkpoint.Checkpointer(pathlib.Path(workdir, "sft"), record, keep=scfg.keep_checkpoints)
@@ -294,9 +299,7 @@ def load_sft_params(workdir: str, cfg: ModelConfig) -> Any | None:
   if meta["config"].get("model") != want:
     raise checkpoint.CheckpointError(f"{d}/{step} holds a different model than config.rl.model; rerun sft.")
   ocfg = optim.OptimizerConfig(**meta["config"]["optim"])
-  tx = optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), None, model_cfg=cfg
-  )
+  tx = build_optimizer(ocfg, cfg, None)
   template = train.create_state(cfg, tx, jax.random.key(0), None)
   ck = checkpoint.Checkpointer(d, meta["config"], keep=100)
   try:
@@ -315,9 +318,7 @@ def rl(config: Any, workdir: str) -> dict[str, Any]:
   cfg = rl_model_config(config)
   rcfg = rl_config_from(config)
   ocfg = _rl_optimizer(config, rcfg.lr, rcfg.steps, 0, 1.0)
-  tx = optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), None, model_cfg=cfg
-  )
+  tx = build_optimizer(ocfg, cfg, None)
   state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
   record = checkpoint.config_record(model=cfg, optim=ocfg, rl=rcfg, seed=config.seed)
   ckpt = checkpoint.Checkpointer(pathlib.Path(workdir, "rl"), record, keep=rcfg.keep_checkpoints)

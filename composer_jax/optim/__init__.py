@@ -11,6 +11,7 @@ from composer_jax.optim.optimizer import (
   dimension_numbers,
   labels,
   lr_schedule,
+  muon_branch,
 )
 from composer_jax.optim.qk_clip import clip_factors, qk_clip
 
@@ -22,6 +23,7 @@ __all__ = [
   "dimension_numbers",
   "labels",
   "lr_schedule",
+  "muon_branch",
   "qk_clip",
   "sharded_muon",
 ]

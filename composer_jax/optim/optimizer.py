@@ -100,6 +100,27 @@ def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   )
 
 
+def muon_branch(
+  cfg: OptimizerConfig, params: Any, meshes: sharding.Meshes | None, *, model_cfg: model.ModelConfig
+) -> optax.GradientTransformation:
+  """The Muon half of `build_optimizer` (None dimension numbers pass leaves through untouched)."""
+  shardings = None
+  if meshes is not None:
+    shardings = sharding.param_shardings(model.logical_axes(model_cfg), params, meshes)
+  return sharded_muon(
+    lr_schedule(cfg),
+    dimension_numbers=dimension_numbers(model_cfg),
+    meshes=meshes,
+    shardings=shardings,
+    ns_coeffs=cfg.ns_coeffs,
+    ns_steps=cfg.ns_steps,
+    beta=cfg.muon_beta,
+    nesterov=True,
+    weight_decay=cfg.weight_decay,
+    rms_scale=cfg.rms_scale,
+  )
+
+
 def build_optimizer(
   cfg: OptimizerConfig, params: Any, meshes: sharding.Meshes | None, *, model_cfg: model.ModelConfig
 ) -> optax.GradientTransformation:
@@ -112,21 +133,7 @@ def build_optimizer(
   if cfg.matrix_optimizer not in ("muon", "adamw"):
     raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw'; got {cfg.matrix_optimizer!r}.")
   schedule = lr_schedule(cfg)
-  shardings = None
-  if meshes is not None:
-    shardings = sharding.param_shardings(model.logical_axes(model_cfg), params, meshes)
-  muon = sharded_muon(
-    schedule,
-    dimension_numbers=dimension_numbers(model_cfg),
-    meshes=meshes,
-    shardings=shardings,
-    ns_coeffs=cfg.ns_coeffs,
-    ns_steps=cfg.ns_steps,
-    beta=cfg.muon_beta,
-    nesterov=True,
-    weight_decay=cfg.weight_decay,
-    rms_scale=cfg.rms_scale,
-  )
+  muon = muon_branch(cfg, params, meshes, model_cfg=model_cfg)
   adam = optax.adamw(
     schedule,
     b1=cfg.adam_b1,
