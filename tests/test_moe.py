@@ -135,6 +135,26 @@ def test_bias_selects_but_does_not_weight():
   np.testing.assert_allclose(weights, [[2.5 * s0 / (s0 + s6), 2.5 * s6 / (s0 + s6)]], rtol=1e-6)
 
 
+def test_route_replays_forced_ids_with_the_same_weights():
+  """Routing replay (R3): the given experts are used, even ones the group limit would exclude, with
+  weights from the unbiased scores at those experts; a row holding a negative id keeps its own choice."""
+  cfg = _cfg(n_experts=16, n_group=4, topk_group=2, top_k=4, routed_scaling_factor=2.827)
+  rng = np.random.default_rng(6)
+  T = 32
+  logits_TE = rng.standard_normal((T, cfg.n_experts)).astype(np.float32)
+  bias_E = (0.3 * rng.standard_normal(cfg.n_experts)).astype(np.float32)
+  forced_TK = np.argsort(rng.standard_normal((T, cfg.n_experts)), -1)[:, : cfg.top_k].astype(np.int32)
+  forced_TK[:5, 1] = -1
+  r = jax.jit(moe.route, static_argnums=2)(logits_TE, bias_E, cfg, forced_TK)
+  ids_TK = np.asarray(r.expert_ids_TK)
+  own_ids_TK, _ = np_route(logits_TE, bias_E, cfg)
+  np.testing.assert_array_equal(ids_TK[5:], forced_TK[5:])
+  np.testing.assert_array_equal(np.sort(ids_TK[:5], -1), np.sort(own_ids_TK[:5], -1))
+  assert (np.sort(forced_TK[5:], -1) != np.sort(own_ids_TK[5:], -1)).any()
+  s_TK = _sigmoid(np.take_along_axis(logits_TE, ids_TK, -1))
+  np.testing.assert_allclose(r.weights_TK, 2.827 * s_TK / s_TK.sum(-1, keepdims=True), rtol=1e-6)
+
+
 # --- the MoE layer against a hand computation ---------------------------------------------------
 
 
@@ -200,6 +220,48 @@ def test_moe_layer_matches_hand_computation(impl, capacity_factor):
   assert float(aux["overflow"]) == np.sum(~kept_A)
   if capacity_factor < 1 and impl == "capacity":
     assert np.sum(~kept_A) > 0  # the small capacity really overflows on these inputs
+
+
+@pytest.mark.parametrize("impl", ["capacity", "ragged", "blocked"])
+def test_moe_layer_replays_given_experts_and_router_gets_gradient(impl):
+  """Forced experts (not the designed choice) against a hand computation, and the router's gradient
+  against autodiff of that hand computation's combine weights (expert outputs held fixed)."""
+  cfg = _cfg(n_experts=8, top_k=2, routed_scaling_factor=2.5, n_shared_experts=0, expert_impl=impl)
+  rng = np.random.default_rng(8)
+  x_BTD, router_DE, own_TK, _ = _designed_inputs(cfg, rng)
+  forced_TK = (own_TK + 3) % cfg.n_experts  # never the designed choice
+  with nnx.use_eager_sharding(False):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(0))))
+  values = nnx.to_pure_dict(state)
+  w_gate, w_up, w_down = _random_expert_weights(rng, cfg.n_experts, cfg.d_model, cfg.moe_mlp_dim)
+  values.update(router_bias=np.zeros(cfg.n_experts, np.float32), w_gate=w_gate, w_up=w_up, w_down=w_down)
+  cot_BTD = rng.standard_normal(x_BTD.shape).astype(np.float32)
+  forced_BTK = forced_TK.reshape(*x_BTD.shape[:2], cfg.top_k)
+
+  @jax.jit
+  def run(router_DE):
+    s = jax.tree.map(lambda v: v, state)
+    nnx.replace_by_pure_dict(s, values | {"router": router_DE})
+    y_BTD, aux = nnx.merge(graphdef, s)(x_BTD, None, forced_BTK)
+    return jnp.sum(y_BTD * cot_BTD), (y_BTD, aux)
+
+  (_, (y_BTD, aux)), g_router = jax.value_and_grad(run, has_aux=True)(router_DE)
+  np.testing.assert_array_equal(aux["routed_experts"], forced_BTK)
+  x_TD = x_BTD.reshape(-1, cfg.d_model)
+  y_TKD = np_expert_rows(np.repeat(x_TD, 2, axis=0), forced_TK.reshape(-1), w_gate, w_up, w_down)
+  y_TKD = y_TKD.reshape(-1, 2, cfg.d_model)
+
+  def by_hand(router):
+    s_TK = jax.nn.sigmoid(jnp.take_along_axis(jnp.asarray(x_TD) @ router, jnp.asarray(forced_TK), axis=-1))
+    w_TK = cfg.routed_scaling_factor * s_TK / s_TK.sum(-1, keepdims=True)
+    return jnp.einsum("tkd,tk->td", jnp.asarray(y_TKD, jnp.float32), w_TK)
+
+  np.testing.assert_allclose(
+    np.asarray(y_BTD).reshape(-1, cfg.d_model), by_hand(router_DE), rtol=1e-5, atol=1e-5
+  )
+  want_DE = jax.grad(lambda r: jnp.sum(by_hand(r) * cot_BTD.reshape(-1, cfg.d_model)))(router_DE)
+  assert float(jnp.max(jnp.abs(want_DE))) > 1e-3
+  np.testing.assert_allclose(g_router, want_DE, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(want_DE))))
 
 
 # --- expert paths ------------------------------------------------------------------------------

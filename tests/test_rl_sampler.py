@@ -244,6 +244,34 @@ def test_multi_turn_continuation_matches_full_forward(params):
   assert int(first.lengths[1]) == 2
 
 
+def test_recorded_routing_equals_the_full_forwards(params):
+  """extend's routing of the prompt and decode's routing of each generated token (recorded when it is
+  fed, at the next step) equal the experts a cache-free forward over the whole row chooses."""
+  logits_BPV, cache, prompt_BPLK = sampler.extend(
+    params, CFG, model.init_cache(CFG, B, S), PROMPTS_BP, LENGTHS_B, with_routing=True
+  )
+  out = sampler.decode(
+    params, CFG, cache, sampler.last_logits(logits_BPV, jnp.asarray(LENGTHS_B)),
+    jax.random.split(jax.random.key(0), B), jnp.full((B,), N), *sampler.settings(0.0, 0, 1.0, (), 0),
+    max_new_tokens=N, feed_last=jnp.asarray(True),
+  )  # fmt: skip
+  prompt_BPLK, new_BNLK = np.asarray(prompt_BPLK), np.asarray(out.routed_experts)
+  assert new_BNLK.shape == (B, N, CFG.n_moe_layers, CFG.top_k)
+  rows = _rows(PROMPTS_BP, LENGTHS_B, np.asarray(out.tokens), np.asarray(out.lengths))
+  buf_BS = np.zeros((B, S), np.int32)
+  for b, r in enumerate(rows):
+    buf_BS[b, : len(r)] = r
+  full_LBSK = np.asarray(jax.jit(lambda p, t: model.apply(p, CFG, t)[1]["routed_experts"])(params, buf_BS))
+  for b in range(B):
+    recorded_TLK = np.concatenate([prompt_BPLK[b, : LENGTHS_B[b]], new_BNLK[b]])
+    np.testing.assert_array_equal(recorded_TLK, np.moveaxis(full_LBSK[:, b, : len(rows[b])], 0, 1))
+  assert np.all(prompt_BPLK[np.arange(P)[None, :] >= LENGTHS_B[:, None]] == -1)  # padding columns
+  # Without feed_last the last token is never fed: its routing is unknown.
+  last = _sample(params, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(last.routed_experts)[:, :-1], new_BNLK[:, :-1])
+  assert np.all(np.asarray(last.routed_experts)[:, -1] == -1)
+
+
 def test_sharded_sampling_matches_single_device(params, meshes):
   single = _sample(params, key=3, temperature=0.8, top_k=10)
   placed = jax.device_put(params, sharding.param_shardings(model.logical_axes(CFG), params, meshes))

@@ -137,6 +137,10 @@ class ModelConfig:
   def is_moe_layer(self, layer: int) -> bool:
     return layer >= self.first_k_dense
 
+  @property
+  def n_moe_layers(self) -> int:
+    return sum(map(self.is_moe_layer, range(self.n_layers)))
+
   @classmethod
   def from_hf(cls, hf: dict[str, Any], **overrides) -> ModelConfig:
     """Reads a HF DeepseekV3 / Kimi-K2 `config.json` dict (text part of Kimi-K2.5 too)."""

@@ -7,6 +7,8 @@ Routing (DeepSeek-V3 §2.1.2, HF `DeepseekV3TopkRouter`): s = sigmoid(x·W) in f
 b is added for *selection only* (group-limited top-k); combine weights are the unbiased s of
 the chosen experts, renormalised and × routed_scaling_factor. b gets no gradient: it is nudged
 after each step by `update_router_bias` towards equal load (§2.1.2, "auxiliary-loss-free").
+Routing replay (R3, arXiv 2510.11370) swaps the selection for given expert ids (in [0, E)) and
+keeps the weight computation, so an RL trainer can use the experts its sampler chose.
 
 Expert compute has two interchangeable paths (`cfg.expert_impl`):
 - "ragged": sort assignments by expert → `jax.lax.ragged_dot` grouped matmuls → unsort. Dropless.
@@ -35,8 +37,16 @@ class Routing(NamedTuple):
   scores_TE: jax.Array  # float32 sigmoid scores (for the balance loss)
 
 
-def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> Routing:
-  """Group-limited top-k over biased scores; combine weights from unbiased scores."""
+def route(
+  logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig, forced_ids_TK: jax.Array | None = None
+) -> Routing:
+  """Group-limited top-k over biased scores; combine weights from unbiased scores.
+
+  forced_ids_TK (routing replay, R3 arXiv 2510.11370): the experts to use instead of this top-k
+  choice, e.g. the ones the inference engine chose for the same token. A token whose row holds a
+  negative id keeps its own choice. The weights are computed from the scores at the used ids
+  exactly as for an own choice, so the router still gets its gradient through them.
+  """
   T, E = logits_TE.shape
   scores_TE = jax.nn.sigmoid(logits_TE.astype(jnp.float32))
   choice_TE = scores_TE + bias_E.astype(jnp.float32)[None, :]
@@ -47,6 +57,9 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> Routing:
     group_mask_TG = jnp.zeros_like(group_score_TG, bool).at[jnp.arange(T)[:, None], keep_groups_Tg].set(True)
     choice_TE = jnp.where(jnp.repeat(group_mask_TG, E // cfg.n_group, axis=1), choice_TE, -jnp.inf)
   _, expert_ids_TK = jax.lax.top_k(choice_TE, cfg.top_k)
+  if forced_ids_TK is not None:
+    replay_T1 = jnp.all(forced_ids_TK >= 0, axis=-1, keepdims=True)
+    expert_ids_TK = jnp.where(replay_T1, forced_ids_TK.astype(expert_ids_TK.dtype), expert_ids_TK)
   weights_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=1)
   if cfg.norm_topk_prob:
     weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
@@ -266,14 +279,19 @@ class MoE(nnx.Module):
       self.shared = MLP(cfg, F * cfg.n_shared_experts, rngs)
     self.cfg = cfg
 
-  def __call__(self, x_BTD: jax.Array, meshes=None) -> tuple[jax.Array, dict]:
+  def __call__(
+    self, x_BTD: jax.Array, meshes=None, routed_experts_BTK: jax.Array | None = None
+  ) -> tuple[jax.Array, dict]:
+    """(y_BTD, aux); routed_experts_BTK replays a routing (see `route`); aux["routed_experts"] holds
+    the experts used [B, T, K]."""
     from composer_jax.model import expert_parallel  # noqa: PLC0415  (cycle: it imports this module)
 
     cfg = self.cfg
     B, T, D = x_BTD.shape
     x_TD = x_BTD.reshape(B * T, D)
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-    r = route(logits_TE, jax.lax.stop_gradient(self.router_bias[...]), cfg)
+    forced_TK = None if routed_experts_BTK is None else routed_experts_BTK.reshape(B * T, cfg.top_k)
+    r = route(logits_TE, jax.lax.stop_gradient(self.router_bias[...]), cfg, forced_TK)
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
     if _expert_parallel(meshes, B * T):
       y_TKD, dropped = expert_parallel.dispatch(x_TD, r.expert_ids_TK, weights, cfg, meshes)
@@ -292,5 +310,6 @@ class MoE(nnx.Module):
       "balance_loss": sequence_balance_loss(
         r.scores_TE.reshape(B, T, -1), r.expert_ids_TK.reshape(B, T, -1), cfg.n_experts
       ),
+      "routed_experts": r.expert_ids_TK.reshape(B, T, cfg.top_k),
     }
     return y_BTD, aux

@@ -33,14 +33,14 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs) if cfg.is_moe_layer(layer) else MLP(cfg, cfg.dense_mlp_dim, rngs)
     self.eps = cfg.rms_norm_eps
 
-  def __call__(self, x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes):
+  def __call__(self, x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, routed_experts_BTK=None):
     h_BTD, new_cache, max_logit_H = self.attn(
       rms_norm(x_BTD, self.input_norm[...], self.eps), cos, sin, pos_BT, seg_BT, cache=cache, meshes=meshes
     )
     x_BTD = x_BTD + h_BTD
     h_BTD = rms_norm(x_BTD, self.post_attn_norm[...], self.eps)
     if isinstance(self.mlp, MoE):
-      h_BTD, aux = self.mlp(h_BTD, meshes)
+      h_BTD, aux = self.mlp(h_BTD, meshes, routed_experts_BTK)
     else:
       h_BTD, aux = self.mlp(h_BTD), None
     out_BTD = sharding.constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"), meshes)
@@ -59,7 +59,7 @@ class Transformer(nnx.Module):
       self.lm_head = param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
     self.cfg = cfg
 
-  def __call__(self, tokens_BT, pos_BT, seg_BT, cache, meshes):
+  def __call__(self, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_experts_LBTK=None):
     cfg = self.cfg
     # Out-of-range ids read NaN rows (never a silently clamped row), so bad data shows in the loss.
     x_BTD = (
@@ -76,13 +76,18 @@ class Transformer(nnx.Module):
       k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segments"], seg_BT.astype(jnp.int32), index, 1)
     latents, k_ropes, moe_aux, max_logits = [], [], [], []
     for layer, block in enumerate(self.layers):
+      forced_BTK = None
+      if routed_experts_LBTK is not None and isinstance(block.mlp, MoE):
+        forced_BTK = routed_experts_LBTK[len(moe_aux)]
       layer_cache = None
       if cache is not None:
         layer_cache = (cache["latent"][layer], cache["k_rope"][layer], index, k_pos, k_seg)
-        x_BTD, new_layer_cache, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, layer_cache, meshes)
+        x_BTD, new_layer_cache, aux, max_logit_H = block(
+          x_BTD, cos, sin, pos_BT, seg_BT, layer_cache, meshes, forced_BTK
+        )
       else:  # training: the block may be rematerialised in the backward pass
         x_BTD, new_layer_cache, aux, max_logit_H = _remat(block, cfg.remat)(
-          x_BTD, cos, sin, pos_BT, seg_BT, meshes
+          x_BTD, cos, sin, pos_BT, seg_BT, meshes, forced_BTK
         )
       max_logits.append(max_logit_H)
       if new_layer_cache is not None:
@@ -93,7 +98,7 @@ class Transformer(nnx.Module):
     x_BTD = rms_norm(x_BTD, self.final_norm[...], cfg.rms_norm_eps)
     head_DV = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     logits_BTV = project("btd,dv->btv", x_BTD, head_DV, cfg.dtype).astype(jnp.float32)
-    aux = _collect_aux(moe_aux, cfg)
+    aux = _collect_aux(moe_aux, cfg, tokens_BT.shape)
     aux["max_logit"] = jnp.stack(max_logits)  # [L, H]: each head's largest attention logit
     if cache is not None:
       aux["cache"] = {
@@ -116,8 +121,8 @@ _REMAT_POLICIES = {
 def _remat(block: Block, policy: str):
   """The block as a function of its activations, rematerialised per `ModelConfig.remat`."""
 
-  def run(blk, x_BTD, cos, sin, pos_BT, seg_BT, meshes):
-    return blk(x_BTD, cos, sin, pos_BT, seg_BT, None, meshes)
+  def run(blk, x_BTD, cos, sin, pos_BT, seg_BT, meshes, routed_experts_BTK):
+    return blk(x_BTD, cos, sin, pos_BT, seg_BT, None, meshes, routed_experts_BTK)
 
   if policy == "none":
     return functools.partial(run, block)
@@ -125,14 +130,20 @@ def _remat(block: Block, policy: str):
   return functools.partial(remat_run, block)
 
 
-def _collect_aux(moe_aux: list[dict], cfg: ModelConfig) -> dict:
+def _collect_aux(moe_aux: list[dict], cfg: ModelConfig, tokens_shape: tuple[int, int]) -> dict:
   if not moe_aux:
     zero = jnp.zeros((), jnp.float32)
-    return {"expert_load": jnp.zeros((0, cfg.n_experts)), "overflow": zero, "balance_loss": zero}
+    return {
+      "expert_load": jnp.zeros((0, cfg.n_experts)),
+      "overflow": zero,
+      "balance_loss": zero,
+      "routed_experts": jnp.zeros((0, *tokens_shape, cfg.top_k), jnp.int32),
+    }
   return {
     "expert_load": jnp.stack([a["expert_load"] for a in moe_aux]),  # [L_moe, E]
     "overflow": sum(a["overflow"] for a in moe_aux),  # dropped assignments, all layers
     "balance_loss": jnp.mean(jnp.stack([a["balance_loss"] for a in moe_aux])),
+    "routed_experts": jnp.stack([a["routed_experts"] for a in moe_aux]),  # [L_moe, B, T, K]
   }
 
 
@@ -184,14 +195,20 @@ def apply(
   *,
   segment_ids: jax.Array | None = None,
   meshes: sharding.Meshes | None = None,
+  routed_experts: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
   """Logits [B, T, V] (float32) and aux metrics.
 
   positions: [B, T] RoPE positions; default 0..T-1, or continuing from the cache.
   segment_ids: [B, T] packed-document ids; tokens attend only within their segment.
   cache: from `init_cache`; the updated cache is returned as `aux["cache"]`.
+  routed_experts: int [MoE layers, B, T, top_k] routing replay (R3, arXiv 2510.11370): every MoE
+  layer uses these experts for each token instead of its own top-k, with combine weights from its
+  router's scores at those experts (so the router still gets gradient). A token whose ids in a
+  layer include a negative one keeps that layer's own choice. None: the model routes itself.
   aux: `expert_load` [MoE layers, E] assignments per expert, `overflow` dropped assignments
-  (capacity paths; 0 when dropless), `balance_loss` the sequence-wise balance loss.
+  (capacity paths; 0 when dropless), `balance_loss` the sequence-wise balance loss,
+  `routed_experts` int32 [MoE layers, B, T, top_k] the experts used (replayed or chosen).
   """
   tokens = jnp.asarray(tokens)
   _check_tokens(tokens, cfg)
@@ -205,7 +222,13 @@ def apply(
   state = jax.tree.map(lambda x: x, abstract_state)  # fresh Variables to fill
   nnx.replace_by_pure_dict(state, params)
   module = nnx.merge(graphdef, state)
-  return module(tokens, positions, segment_ids, cache, meshes)
+  if routed_experts is not None:
+    want = (cfg.n_moe_layers, B, T, cfg.top_k)
+    if tuple(routed_experts.shape) != want:
+      raise ValueError(
+        f"routed_experts must be [MoE layers, B, T, top_k] = {list(want)}; got {list(routed_experts.shape)}."
+      )
+  return module(tokens, positions, segment_ids, cache, meshes, routed_experts)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:

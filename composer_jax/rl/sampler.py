@@ -3,6 +3,7 @@
   out = sampler.sample(params, cfg, prompts_BP, prompt_lengths_B, key, max_new_tokens=224,
                        temperature=0.9, top_k=50, stop_tokens=(eos,))
   out.tokens, out.logprobs, out.lengths                   # [B, N], [B, N], [B]
+  out.routed_experts                                      # [B, N, MoE layers, top_k] for routing replay
   logp_BT = sampler.score(params, cfg, tokens_BT, segment_ids=seg_BT)   # the trainer's view
 
 Shape suffixes: B batch, P prompt length, T new tokens in one call, N max new tokens, S cache
@@ -55,6 +56,9 @@ class Sample(NamedTuple):
   sample_logprobs: jax.Array  # [B, N] float32, under the filtered, tempered sampling distribution
   lengths: jax.Array  # [B] int32, tokens generated per row (a stop token counts and ends the row)
   cache: dict  # the KV cache after the call (see `decode`'s feed_last)
+  # [B, N, MoE layers, top_k] int32: the experts each generated token was routed to when it was fed
+  # to the model (the next step's input); -1 for a token never fed (the last one without feed_last).
+  routed_experts: jax.Array
 
 
 # --- token selection ---------------------------------------------------------------------------
@@ -119,7 +123,7 @@ def last_logits(logits_BTV: jax.Array, lengths_B: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logits_BTV, idx_B[:, None, None], axis=1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "meshes"))
+@functools.partial(jax.jit, static_argnames=("cfg", "meshes", "with_routing"))
 def extend(
   params: dict,
   cfg: ModelConfig,
@@ -128,10 +132,13 @@ def extend(
   lengths: jax.Array,
   *,
   meshes: sharding.Meshes | None = None,
-) -> tuple[jax.Array, dict]:
+  with_routing: bool = False,
+) -> tuple[jax.Array, ...]:
   """Append right-padded tokens [B, T] (row b: `lengths[b]` real ones) to a cache in one forward.
 
-  Returns logits [B, T, V] (float32; row b's columns ≥ lengths[b] are meaningless) and the cache.
+  Returns logits [B, T, V] (float32; row b's columns ≥ lengths[b] are meaningless) and the cache;
+  with_routing adds the experts each token was routed to, int32 [B, T, MoE layers, top_k] (-1 on
+  padding columns), for routing replay in the trainer (`model.apply(routed_experts=...)`).
   This is `model.apply` with a cache and T > 1 tokens — it already writes T slots at the cache
   index and lets each query see the cache plus the earlier new tokens — given positions that
   continue each row's own count and segment ids that hide the padding. Used for the prompt
@@ -148,7 +155,10 @@ def extend(
   # attention weight would still poison the real rows.
   tokens_BT = jnp.where(real_BT, tokens_BT, 0)
   logits_BTV, aux = model.apply(params, cfg, tokens_BT, pos_BT, cache, segment_ids=seg_BT, meshes=meshes)
-  return logits_BTV, aux["cache"]
+  if not with_routing:
+    return logits_BTV, aux["cache"]
+  routed_BTLK = jnp.where(real_BT[:, :, None, None], jnp.moveaxis(aux["routed_experts"], 0, 2), -1)
+  return logits_BTV, aux["cache"], routed_BTLK
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -200,7 +210,9 @@ def decode(
   exits as soon as every row is done, so it costs max(lengths) - 1 forwards. With feed_last the
   final tokens are fed too (one more forward), so the returned cache holds every generated
   token, ready for `extend` with the next observation; the cache needs index + max_new_tokens
-  free slots then (index + max_new_tokens - 1 without).
+  free slots then (index + max_new_tokens - 1 without). `Sample.routed_experts` records, for each
+  generated token, the experts it was routed to when fed (the same step that computes its cache
+  entry), so the final token has them only with feed_last.
   """
   B, V = logits.shape
   N = max_new_tokens
@@ -226,15 +238,24 @@ def decode(
     }
 
   def feed(s):
-    step_logits_B1V, cache = extend(
+    step_logits_B1V, cache, routed_B1LK = extend(
       params,
       decode_config(cfg),
       s["cache"],
       s["last"][:, None],
       s["pending"].astype(jnp.int32),
       meshes=meshes,
+      with_routing=True,
     )
-    return {**s, "cache": cache, "logits": step_logits_B1V[:, 0], "pending": jnp.zeros_like(s["pending"])}
+    # The fed tokens were sampled at column t - 1; rows that fed padding write -1 there (unused).
+    routed_BNLK = jax.lax.dynamic_update_slice_in_dim(s["routed"], routed_B1LK, s["t"] - 1, axis=1)
+    return {
+      **s,
+      "cache": cache,
+      "logits": step_logits_B1V[:, 0],
+      "pending": jnp.zeros_like(s["pending"]),
+      "routed": routed_BNLK,
+    }
 
   def body(s):
     s = sample_step(s)
@@ -252,9 +273,10 @@ def decode(
     "live": max_new_B > 0,
     "pending": jnp.zeros((B,), bool),
     "last": jnp.zeros((B,), jnp.int32),
+    "routed": jnp.full((B, N, cfg.n_moe_layers, cfg.top_k), -1, jnp.int32),
   }
   s = jax.lax.while_loop(lambda s: jnp.any(s["live"]), body, state)
-  return Sample(s["tokens"], s["logprobs"], s["sample_logprobs"], s["lengths"], s["cache"])
+  return Sample(s["tokens"], s["logprobs"], s["sample_logprobs"], s["lengths"], s["cache"], s["routed"])
 
 
 def sample(
