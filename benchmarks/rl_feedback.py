@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -45,10 +46,11 @@ def experiment_config():
 
 
 def fresh_state(config, cfg, rcfg, params):
-  ocfg = pipeline._rl_optimizer(config, rcfg.lr, rcfg.steps, 0, 1.0)
+  ocfg = pipeline._rl_optimizer(config, rcfg.lr, rcfg.steps, rcfg.warmup_steps, 1.0)
   tx = optim.build_optimizer(
     ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), None, model_cfg=cfg
   )
+  tx = rl_train.teacher_optimizer(tx, rcfg)
   state = train.TrainState(
     step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params)
   )
@@ -62,8 +64,9 @@ def copy_params(params):
 def run_arm(config, cfg, rcfg, params, log):
   state, tx, schedule = fresh_state(config, cfg, rcfg, copy_params(params))
   steps = {fb: rl_train.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
-  _, summary = rl_train.fit(state, steps, rl_train.toy_envs(rcfg), cfg, rcfg, log=log)
-  return summary["history"]
+  evaluate = functools.partial(rl_train.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
+  _, summary = rl_train.fit(state, steps, rl_train.toy_envs(rcfg), cfg, rcfg, log=log, evaluate=evaluate)
+  return summary["history"], summary["evals"]
 
 
 def step_time_ratio(config, cfg, rcfg, params, repeats=5):
@@ -130,7 +133,23 @@ def band(histories, key):
   return arr.mean(0), arr.min(0), arr.max(0), arr
 
 
-def plot(results, key, label, path):
+def summarise_evals(evals):
+  """Fixed-set evaluation: reward and invalid-call rate before RL and after the last step, per arm."""
+  lines = [
+    "| arm (fixed eval set) | reward, step 0 | reward, end | invalid-call rate, step 0 | invalid, end |",
+    "|---|---|---|---|---|",
+  ]
+  for arm, runs in evals.items():
+    cells = [arm]
+    for key in ("reward", "invalid_call_rate"):
+      first = np.array([r[0][key] for r in runs])
+      last = np.array([r[-1][key] for r in runs])
+      cells += [f"{first.mean():.3f} ± {first.std():.3f}", f"{last.mean():.3f} ± {last.std():.3f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot(results, key, label, path, x=None):
   import matplotlib
 
   matplotlib.use("Agg")
@@ -139,9 +158,9 @@ def plot(results, key, label, path):
   fig, ax = plt.subplots(figsize=(6, 3.6))
   for arm, histories in results.items():
     mean, lo, hi, _ = band(histories, key)
-    x = np.arange(1, len(mean) + 1)
-    ax.plot(x, mean, label=f"{arm} (mean of {len(histories)} seeds)")
-    ax.fill_between(x, lo, hi, alpha=0.2)
+    xs = np.array([h[x] for h in histories[0]]) if x else np.arange(1, len(mean) + 1)
+    ax.plot(xs, mean, label=f"{arm} (mean of {len(histories)} seeds)")
+    ax.fill_between(xs, lo, hi, alpha=0.2)
   ax.set_xlabel("RL step")
   ax.set_ylabel(label)
   ax.legend()
@@ -182,12 +201,23 @@ def main():
   ap.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"))
   ap.add_argument("--feedback_kinds", default="", help='e.g. "unknown_tool"; "": FeedbackRules default')
   ap.add_argument("--arms", default="both", choices=("both", "alone", "feedback"))
+  ap.add_argument("--feedback_mode", default=None, choices=rl_train.FEEDBACK_MODES)
+  ap.add_argument("--teacher", default=None, choices=rl_train.TEACHERS)
+  ap.add_argument("--objective", default=None)
+  ap.add_argument("--dynamic_sampling", action="store_true")
+  ap.add_argument("--warmup", type=int, default=None, help="RL lr warm-up steps")
+  ap.add_argument("--matrix_optimizer", default=None, choices=("muon", "adamw"))
+  ap.add_argument("--eval_every", type=int, default=5, help="fixed-set evaluation every N steps; 0 off")
+  ap.add_argument("--eval_problems", type=int, default=64)
+  ap.add_argument("--skip_ratio", action="store_true", help="skip the step-time ratio measurement")
   ap.add_argument("--tag", default="", help="plot file suffix")
   ap.add_argument("--coding", action="store_true", help="also run 1 RL step on the coding env")
   ap.add_argument("--coding_only", action="store_true")
   args = ap.parse_args()
 
   config = experiment_config()
+  if args.matrix_optimizer:
+    config.optim.matrix_optimizer = args.matrix_optimizer
   if args.sft_steps is not None:
     config.sft.steps = args.sft_steps
   cfg = pipeline.rl_model_config(config)
@@ -234,11 +264,21 @@ def main():
     group_size=args.group,
     feedback_kinds=args.feedback_kinds,
   )
-  if args.lr is not None:
-    base = dataclasses.replace(base, lr=args.lr)
-  ratio, times, n_fb, shape, tshape = step_time_ratio(config, cfg, base, params)
+  for field in ("lr", "feedback_mode", "teacher", "objective"):
+    if getattr(args, field) is not None:
+      base = dataclasses.replace(base, **{field: getattr(args, field)})
+  if args.dynamic_sampling:
+    base = dataclasses.replace(base, dynamic_sampling=True)
+  base = dataclasses.replace(base, eval_every=args.eval_every, eval_problems=args.eval_problems)
+  if args.warmup is not None:
+    base = dataclasses.replace(base, warmup_steps=args.warmup)
+  ratio, times, n_fb, shape, tshape = (
+    (float("nan"), {True: float("nan"), False: float("nan")}, 0, (), ())
+    if args.skip_ratio
+    else step_time_ratio(config, cfg, base, params)
+  )
   seeds = [int(s) for s in args.seeds.split(",")]
-  results = {}
+  results, evals = {}, {}
   arms = [("RL alone", 0.0), (f"RL + feedback (λ={args.lambda_feedback})", args.lambda_feedback)]
   arms = {"both": arms, "alone": arms[:1], "feedback": arms[1:]}[args.arms]
   for arm, lam in arms:
@@ -246,21 +286,31 @@ def main():
     for seed in seeds:
       rcfg = dataclasses.replace(base, lambda_feedback=lam, seed=seed)
       print(f"== {arm}, seed {seed}", flush=True)
-      results[arm].append(run_arm(config, cfg, rcfg, params, print))
+      hist, ev = run_arm(config, cfg, rcfg, params, print)
+      results[arm].append(hist)
+      evals.setdefault(arm, []).append(ev)
   plots = pathlib.Path(args.plots)
   plots.mkdir(parents=True, exist_ok=True)
   plot(results, "reward", "mean reward", plots / f"rl_feedback_reward{args.tag}.png")
   plot(results, "invalid_call_rate", "invalid calls / calls", plots / f"rl_feedback_invalid{args.tag}.png")
+  if args.eval_every > 0:
+    plot(evals, "reward", "eval reward (fixed problems)", plots / f"rl_feedback_eval{args.tag}.png", x="step")
+    report_evals = summarise_evals(evals)
+  else:
+    report_evals = ""
   upd = {
     arm: statistics.median(h["update_s"] for hist in hs for h in hist[1:]) for arm, hs in results.items()
   }
   report += [
     f"- {len(seeds)} seeds per arm, {args.steps} RL steps x {args.problems} problems x {args.group} "
-    f"rollouts, {base.objective}/{base.advantage}, lr {base.lr}, temperature {base.temperature}; "
+    f"rollouts, {base.objective}/{base.advantage}, lr {base.lr}, temperature {base.temperature}, "
+    f"feedback_mode {base.feedback_mode}, teacher {base.teacher}, dynamic_sampling {base.dynamic_sampling}; "
     "mean ± std over seeds of each seed's mean over the first / last 3 steps "
     "(rollouts before that step's update)",
     "",
     summarise(results),
+    "",
+    report_evals,
     "",
     f"- RL step time with feedback ÷ without: {ratio:.2f}x (same batch {shape} with {n_fb} feedback rows, "
     f"teacher extension {tshape}; {times[True]:.3f}s vs {times[False]:.3f}s, median of 5 after compile)",
@@ -272,7 +322,7 @@ def main():
   print(text, flush=True)
   raw = {arm: hs for arm, hs in results.items()}
   pathlib.Path(workdir, f"rl_feedback{args.tag}.json").write_text(
-    json.dumps({"results": raw, "ratio": ratio}, indent=1)
+    json.dumps({"results": raw, "evals": evals, "ratio": ratio}, indent=1)
   )
   if args.out:
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -75,8 +75,16 @@ def _batch(trajs, with_feedback=True):
 
 
 def test_prefix_kv_teacher_equals_fresh_forward(params):
-  trajs = [_wrong_then_right(3), _wrong_then_right(11)]
+  # Row 1 has no mistake: the teacher runs on the flagged rows (0 and 2) only.
+  env = toy.ToyEnv()
+  clean = rl_train.envs.begin(env, 4)
+  op, a, b, _ = env.problem.steps[0]
+  ids = chat.assistant_ids(call=(op, str(a), str(b)))
+  rl_train.envs.advance(env, clean, ids, [-1.0] * len(ids))
+  trajs = [_wrong_then_right(3), rl_train.envs.finish(env, clean), _wrong_then_right(11)]
   batch = _batch(trajs)
+  assert batch["fb_rows"].shape[0] == 4 and list(np.asarray(batch["fb_rows"][:2])) == [0, 2]
+  assert list(np.asarray(batch["teacher_lengths"][2:])) == [0, 0]  # bucket padding
   L = batch["teacher_tokens"].shape[1]
 
   @jax.jit
@@ -85,24 +93,27 @@ def test_prefix_kv_teacher_equals_fresh_forward(params):
     plain_BTV, _ = model.apply(
       params, CFG, batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"]
     )
-    return logits_BTV, plain_BTV, rl_train.teacher_logits(params, CFG, aux["cache"], batch)
+    t_FNV = rl_train.teacher_logits(params, CFG, aux["cache"], batch)
+    return logits_BTV, plain_BTV, t_FNV, rl_train.student_feedback_logits(logits_BTV, batch)
 
-  logits_BTV, plain_BTV, t_BTV = map(np.asarray, run(params, batch))
+  logits_BTV, plain_BTV, t_FNV, s_FNV = map(np.asarray, run(params, batch))
   m = np.asarray(batch["segment_ids"]) > 0
   np.testing.assert_allclose(logits_BTV[m], plain_BTV[m], atol=1e-5)
   forward = jax.jit(lambda p, t: model.apply(p, CFG, t)[0])
-  for b, traj in enumerate(trajs):
+  for f, b in enumerate((0, 2)):
+    traj = trajs[b]
     k, kind = feedback.detect(traj, toy.ToyEnv().info())[0]
     assert kind == "unknown_tool"
     ti = feedback.teacher_inputs(traj, k, feedback.hint_ids(feedback.hint_for(kind, toy.ToyEnv().info())))
     fresh_TV = forward(params, jnp.asarray(ti.tokens)[None])
-    cols = np.flatnonzero(np.asarray(batch["fb_mask"][b]))
-    np.testing.assert_array_equal(cols, ti.student_positions - 1)
-    np.testing.assert_allclose(t_BTV[b, cols], np.asarray(fresh_TV[0, ti.teacher_positions - 1]), atol=1e-5)
+    n = int(np.sum(batch["fb_mask"][f]))
+    np.testing.assert_array_equal(np.asarray(batch["fb_cols"][f, :n]), ti.student_positions - 1)
+    np.testing.assert_allclose(t_FNV[f, :n], np.asarray(fresh_TV[0, ti.teacher_positions - 1]), atol=1e-5)
+    np.testing.assert_array_equal(s_FNV[f, :n], logits_BTV[b, ti.student_positions - 1])
 
 
-def _loss_terms(params, batch, lam=1.0):
-  rc = dataclasses.replace(RC, lambda_feedback=lam)
+def _loss_terms(params, batch, lam=1.0, **kw):
+  rc = dataclasses.replace(RC, lambda_feedback=lam, **kw)
   loss, (m, _) = jax.jit(lambda p, b: rl_train.rl_loss(p, CFG, b, rc, True))(params, batch)
   return loss, m
 
@@ -111,25 +122,28 @@ def test_empty_hint_gives_zero_feedback_and_only_turn_k_counts(params):
   trajs = [_wrong_then_right(5)]
   batch = dict(_batch(trajs))
   # Teacher context = student context: drop the hint from the extension (turn k's tokens only).
-  b = rl_train.rl_batch(trajs, [0], [toy.ToyEnv().info()], with_feedback=True)
   k = feedback.detect(trajs[0], toy.ToyEnv().info())[0][0]
   ti = feedback.teacher_inputs(trajs[0], k, [])
   ext = ti.tokens[ti.hint_start :]
-  tt = np.zeros_like(b["teacher_tokens"])
+  tt = np.zeros_like(batch["teacher_tokens"])
   tt[0, : len(ext)] = ext
+  lengths = np.zeros_like(batch["teacher_lengths"])
+  lengths[0] = len(ext)
+  cols = np.zeros_like(batch["teacher_cols"])
+  cols[0, : len(ti.student_positions)] = ti.teacher_positions - 1 - ti.hint_start
   batch |= {
-    "teacher_tokens": jnp.asarray(tt),
-    "teacher_lengths": jnp.asarray([len(ext)], jnp.int32),
-    "teacher_index": jnp.asarray(
-      np.where(b["fb_mask"] > 0, np.arange(b["fb_mask"].shape[1]) - ti.hint_start, 0)
-    ),
+    k: jnp.asarray(v)
+    for k, v in (("teacher_tokens", tt), ("teacher_lengths", lengths), ("teacher_cols", cols))
   }
   _, m = _loss_terms(params, batch)
   assert float(m["feedback_kl"][0]) == pytest.approx(0.0, abs=1e-5)
-  # The feedback mask covers exactly turn k's sampled tokens (shifted by one: logits predict the next).
+  _, m_adv = _loss_terms(params, batch, feedback_mode="advantage")
+  assert float(m_adv["feedback_advantage"][0]) == pytest.approx(0.0, abs=1e-5)
+  # The feedback columns are exactly turn k's sampled tokens (shifted by one: logits predict the next).
   s, e = trajs[0].spans[k]
   want = [p - 1 for p in range(s, e) if trajs[0].loss_mask[p]]
-  np.testing.assert_array_equal(np.flatnonzero(b["fb_mask"][0]), want)
+  n = int(np.sum(batch["fb_mask"][0]))
+  np.testing.assert_array_equal(np.asarray(batch["fb_cols"][0, :n]), want)
   assert float(m["feedback_kl"][1]) == len(want)
 
 
@@ -149,7 +163,8 @@ def test_feedback_gradient_only_via_student_on_turn_k(params):
   @jax.jit
   def via_teacher(p, kv):
     c = {**cache, **kv}
-    s, n = rl_train.feedback_loss(logits, rl_train.teacher_logits(p, CFG, c, batch), batch["fb_mask"])
+    s_FNV = rl_train.student_feedback_logits(logits, batch)
+    s, n = rl_train.feedback_loss(s_FNV, rl_train.teacher_logits(p, CFG, c, batch), batch["fb_mask"])
     return s / n
 
   kv = {"latent": cache["latent"], "k_rope": cache["k_rope"]}
@@ -158,27 +173,92 @@ def test_feedback_gradient_only_via_student_on_turn_k(params):
 
   # Only turn k's columns of the student contribute, and the hint changes the teacher (loss > 0).
   def on_logits(lg):
-    s, n = rl_train.feedback_loss(lg, t_logits, batch["fb_mask"])
+    s, n = rl_train.feedback_loss(rl_train.student_feedback_logits(lg, batch), t_logits, batch["fb_mask"])
     return s / n
 
   assert float(on_logits(logits)) > 0
   g_TV = np.asarray(jax.grad(on_logits)(logits))[0]
   touched = np.flatnonzero(np.abs(g_TV).sum(-1) > 0)
-  cols = np.flatnonzero(np.asarray(batch["fb_mask"][0]))
+  n = int(np.sum(batch["fb_mask"][0]))
+  cols = np.asarray(batch["fb_cols"][0, :n])
   assert len(touched) > 0 and set(touched) <= set(cols) and len(cols) < T
+
+
+def test_feedback_advantage_is_sampled_token_log_ratio(params):
+  """feedback_mode="advantage": λ·(log q(y) − log p(y)) lands on turn k's tokens (and nowhere else),
+  checked against log-probs read off the student and a fresh hinted forward."""
+  trajs = [_wrong_then_right(13)]
+  batch = _batch(trajs)
+  L = batch["teacher_tokens"].shape[1]
+  logits, aux = jax.jit(lambda p: rl_train.student_forward(p, CFG, batch, L))(params)
+  t_FNV = rl_train.teacher_logits(params, CFG, aux["cache"], batch)
+  logp_BT = rl_train.token_logp(logits, batch["tokens"])
+  adv_BT = np.asarray(rl_train.feedback_advantages(t_FNV, logp_BT, batch, 0.5))
+  k, kind = feedback.detect(trajs[0], toy.ToyEnv().info())[0]
+  ti = feedback.teacher_inputs(trajs[0], k, feedback.hint_ids(feedback.hint_for(kind, toy.ToyEnv().info())))
+  fresh = np.asarray(jax.nn.log_softmax(model.apply(params, CFG, jnp.asarray(ti.tokens)[None])[0][0], -1))
+  y = ti.tokens[ti.teacher_positions]
+  logq = fresh[ti.teacher_positions - 1, y]
+  want = np.zeros_like(adv_BT)
+  want[0, ti.student_positions] = 0.5 * (logq - np.asarray(logp_BT)[0, ti.student_positions])
+  np.testing.assert_allclose(adv_BT, want, atol=1e-5)
+  assert np.abs(want).sum() > 0
 
 
 def test_lambda_zero_or_no_detection_gives_exactly_zero(params):
   trajs = [_wrong_then_right(9)]
   batch = dict(_batch(trajs))
   base, _ = jax.jit(lambda p, b: rl_train.rl_loss(p, CFG, b, RC, False))(params, batch)
-  rc0 = dataclasses.replace(RC, lambda_feedback=0.0)
-  with_fb = jax.jit(lambda p, b: rl_train.rl_loss(p, CFG, b, rc0, True))
-  loss0, (m0, _) = with_fb(params, batch)
-  assert float(m0["feedback_kl"][0]) > 0 and float(loss0) == pytest.approx(float(base), abs=1e-6)
-  batch["fb_mask"] = jnp.zeros_like(batch["fb_mask"])  # no detected turn
-  _, (m1, _) = with_fb(params, batch)
-  assert float(m1["feedback_kl"][0]) == 0.0 and float(m1["feedback_kl"][1]) == 0.0
+  for mode in rl_train.FEEDBACK_MODES:
+    rc0 = dataclasses.replace(RC, lambda_feedback=0.0, feedback_mode=mode)
+    with_fb = jax.jit(lambda p, b, rc0=rc0: rl_train.rl_loss(p, CFG, b, rc0, True))
+    loss0, (m0, _) = with_fb(params, batch)
+    assert float(m0["feedback_kl"][0]) > 0 and float(loss0) == pytest.approx(float(base), abs=1e-6), mode
+    no_fb = dict(batch, fb_mask=jnp.zeros_like(batch["fb_mask"]))  # no detected turn
+    _, (m1, _) = with_fb(params, no_fb)
+    assert float(m1["feedback_kl"][0]) == 0.0 and float(m1["feedback_kl"][1]) == 0.0
+
+
+def test_dynamic_sampling_drops_all_equal_groups(params):
+  trajs = [_wrong_then_right(s) for s in (21, 22, 23, 24)]
+  batch = dict(_batch(trajs, with_feedback=False))
+  batch |= {
+    "group_ids": jnp.asarray([0, 0, 1, 1], jnp.int32),
+    "rewards": jnp.asarray([1.0, 0.0, 1.0, 1.0], jnp.float32),  # group 1 has no signal
+  }
+  rc = dataclasses.replace(RC, dynamic_sampling=True, objective="dapo")
+  _, (m, _) = jax.jit(lambda p, b: rl_train.rl_loss(p, CFG, b, rc, False))(params, batch)
+  assert float(m["kept_rollouts"][0]) == 2.0
+  n_tokens = float(np.sum(np.asarray(batch["loss_mask"])[:2]))
+  assert float(m["policy_loss"][1]) == n_tokens  # DAPO's token count covers group 0 only
+
+
+def test_ema_teacher_tracks_params_and_bad_settings_raise():
+  # No router-bias nudge: the EMA follows the optimizer's update, the bias moves after it.
+  rc = dataclasses.replace(RC, teacher="ema", teacher_ema_rate=0.5, router_bias_rate=0.0)
+  _, tx, schedule = _state()
+  tx = rl_train.teacher_optimizer(tx, rc)
+  state = create_state(CFG, tx, jax.random.key(1), None)
+  step = rl_train.make_rl_step(CFG, tx, schedule, rc, with_feedback=True)
+  batch = _batch([_wrong_then_right(31), _wrong_then_right(32)])
+  before = jax.tree.map(np.asarray, state.params)
+  state, m = step(state, batch)
+  assert np.isfinite(float(m["feedback_kl"])) and float(m["skipped"]) == 0
+  # teacher = 0.5·old + 0.5·new for every leaf
+  for t, old, new in zip(
+    jax.tree.leaves(state.opt_state.teacher),
+    jax.tree.leaves(before),
+    jax.tree.leaves(state.params),
+    strict=True,
+  ):
+    np.testing.assert_allclose(np.asarray(t), 0.5 * old + 0.5 * np.asarray(new), rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="teacher_optimizer"):
+    plain_state, plain_tx, _ = _state()
+    rl_train.make_rl_step(CFG, plain_tx, schedule, rc, with_feedback=True)(plain_state, batch)
+  with pytest.raises(ValueError, match="feedback_mode"):
+    rl_train.make_rl_step(
+      CFG, tx, schedule, dataclasses.replace(RC, feedback_mode="bogus"), with_feedback=True
+    )
 
 
 def _state(lr=3e-3, steps=10):
