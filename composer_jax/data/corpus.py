@@ -21,8 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 import tensorflow_datasets as tfds
+from jax.experimental import multihost_utils
 
 from composer_jax.data.tokenizer import Tokenizer
 
@@ -105,8 +107,21 @@ def build_corpus(
   """{split: ArrayRecordDataSource}; builds under `data_dir` on first call, reuses it afterwards.
 
   The on-disk dataset does not record `src_dir`/`max_files`: use a separate `data_dir` per variant.
+  In a multi-process run process 0 builds while the others wait, then they read what it wrote, so
+  `data_dir` must be on storage that every process sees.
   """
-  builder = StdlibCode(src_dir=src_dir, max_files=max_files, data_dir=data_dir, file_format="array_record")
+  kwargs = dict(src_dir=src_dir, max_files=max_files, data_dir=data_dir, file_format="array_record")
+  multi = jax.distributed.is_initialized() and jax.process_count() > 1
+  if multi and jax.process_index() != 0:
+    multihost_utils.sync_global_devices("build_corpus")  # process 0 has built it (or found it)
+    builder = StdlibCode(**kwargs)
+    if not builder.is_prepared():
+      raise RuntimeError(
+        f"Process {jax.process_index()} does not see the corpus process 0 built under {data_dir}: "
+        "in a multi-process run the workdir must be on storage every process sees."
+      )
+    return {split: ds for split, ds in builder.as_data_source().items()}
+  builder = StdlibCode(**kwargs)
   if builder.is_prepared():
     if verbose:
       print(f"stdlib_code: reusing {builder.data_dir}", flush=True)
@@ -120,6 +135,8 @@ def build_corpus(
       sizes = ", ".join(f"{s} {splits[s].num_examples} files" for s in SPLITS)
       mb = sum(splits[s].num_bytes for s in SPLITS) / 1e6
       print(f"stdlib_code: built {sizes}, {mb:.1f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
+  if multi:
+    multihost_utils.sync_global_devices("build_corpus")  # the others may read it now
   return {split: ds for split, ds in builder.as_data_source().items()}
 
 

@@ -7,6 +7,10 @@ Layout: `<dir>/<step>/{state,meta}` through one async `CheckpointManager` that k
 Safety: a step that already exists is never written again, and an unreadable or incompatible
 checkpoint raises (`CheckpointError`) instead of falling back to a fresh start that would later
 overwrite it.
+
+Multi-process: every process calls `save` and `restore` (orbax writes and reads each process's own
+shards and writes the JSON metadata from process 0 alone), so the directory must be storage that
+every process sees (GCS, a shared file system).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ import json
 import pathlib
 from typing import Any
 
+import jax
+
 try:
   from tensorboardX import SummaryWriter
 except ImportError:  # optional: JSONL is always written
@@ -17,32 +19,45 @@ except ImportError:  # optional: JSONL is always written
 
 
 class MetricsWriter:
-  """Appends `{"step": s, **metrics}` to `<dir>/metrics.jsonl`, scalars to `<dir>/tb/`."""
+  """Appends `{"step": s, **metrics}` to `<dir>/metrics.jsonl`, scalars to `<dir>/tb/`.
 
-  def __init__(self, directory: str | pathlib.Path, *, tensorboard: bool = True):
+  Only process 0 of a multi-process run writes (every process logs the same replicated metrics);
+  on the others the writer is a no-op, or wherever `enabled=False`.
+  """
+
+  def __init__(self, directory: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool | None = None):
     self.directory = pathlib.Path(directory)
-    self.directory.mkdir(parents=True, exist_ok=True)
-    self._jsonl = open(self.directory / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
-    self._tb = SummaryWriter(str(self.directory / "tb")) if tensorboard and SummaryWriter else None
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self._tensorboard = bool(tensorboard and SummaryWriter)
+    self._jsonl, self._tb = None, None
+    if self.enabled:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      self._jsonl = open(self.directory / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+      self._tb = SummaryWriter(str(self.directory / "tb")) if self._tensorboard else None
 
   @property
   def has_tensorboard(self) -> bool:
-    return self._tb is not None
+    """Whether TensorBoard events are written (by process 0 when this one writes nothing)."""
+    return self._tensorboard
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if self._jsonl is None:
+      return
     self._jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in metrics.items()}}) + "\n")
     if self._tb is not None:
       for k, v in metrics.items():
         self._tb.add_scalar(k, float(v), int(step))
 
   def flush(self) -> None:
-    self._jsonl.flush()
+    if self._jsonl is not None:
+      self._jsonl.flush()
     if self._tb is not None:
       self._tb.flush()
 
   def close(self) -> None:
     self.flush()
-    self._jsonl.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
 

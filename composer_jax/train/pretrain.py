@@ -92,6 +92,21 @@ def batch_sharding(meshes: sharding.Meshes | None) -> Any:
   return {"tokens": s, "segment_ids": s, "positions": s}
 
 
+def global_batch(batch: dict, meshes: sharding.Meshes | None) -> dict:
+  """A host batch {name: [B, T]} as arrays sharded like `batch_sharding`, on one or many processes.
+
+  Every process packs the same whole batch (the packer is deterministic, so its checkpointed state
+  is the same everywhere) and places only the shards of its own devices. `device_put` would instead
+  all-gather the whole batch from every process each step to check that they agree. With one
+  process this is `device_put`: same values, same shardings.
+  """
+  put = batch_sharding(meshes)
+  if put is None:
+    return jax.device_put(batch)
+  host = {k: np.asarray(v) for k, v in batch.items()}
+  return {k: jax.make_array_from_process_local_data(put[k], v, v.shape) for k, v in host.items()}
+
+
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -305,7 +320,6 @@ def fit(
   the iterator state right after the last dispatched step's batch (so a resume sees the next batch).
   Ctrl-C stops after the step in flight, saves, and returns with `interrupted=True` in the summary.
   """
-  put = batch_sharding(meshes)
   start = int(state.step)
   history: dict[str, list] = {"train": [], "validation": []}
   pending: tuple[int, dict, float] | None = None
@@ -343,7 +357,7 @@ def fit(
     log(f"step 0: validation loss {history['validation'][0][1]:.4f}")
   try:
     for step in range(start + 1, tcfg.steps + 1):
-      batch = jax.device_put(next(train_iter), put)
+      batch = global_batch(next(train_iter), meshes)
       t0 = time.perf_counter()
       state, m = train_step(state, batch)  # dispatched; runs while the previous metrics are read
       data_state = train_iter.get_state()
@@ -399,7 +413,7 @@ def fixed_batches(it: Iterator[dict], n: int, meshes: sharding.Meshes | None) ->
   """The first `n` batches of an iterator, on device (validation uses the same ones each time)."""
   out = []
   for batch in it:
-    out.append(jax.device_put({k: np.asarray(v) for k, v in batch.items()}, batch_sharding(meshes)))
+    out.append(global_batch(batch, meshes))
     if len(out) == n:
       break
   return out
