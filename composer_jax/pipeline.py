@@ -1,11 +1,19 @@
-"""Stages wired together: `run(config, workdir)` runs `config.stages` in order.
+"""Stages wired together: `run(config, workdir)` runs `config.stages` in order, then prints a summary.
 
 `demo`: build both meshes, initialise the sharded model, print where each parameter lives, run one
 forward pass and greedy-decode a few tokens. `pretrain`: next-token training on the stdlib corpus,
 resuming from `<workdir>/checkpoints`. `synth`: feature-deletion coding tasks from real repositories
-(`composer_jax/synth/build.py`) into the TFDS dataset `<workdir>/synth_tasks`. `sft`: a small model from
-scratch on toy tool-use demonstrations (`<workdir>/sft`). `rl`: multi-turn RL with targeted text feedback
-from the SFT checkpoint (`<workdir>/rl`); both run on one device with `config.rl.model` overrides.
+(`composer_jax/synth/build.py`) into the TFDS dataset `<workdir>/synth_tasks`. `sft` and `rl`
+(`composer_jax/rl/stages.py`): a small one-device model warmed up on toy tool-use demonstrations, then
+multi-turn RL with targeted text feedback. `plan` (`composer_jax/plan.py`): per-device memory and traffic.
+
+Stage-level resume: a finished stage writes `<workdir>/stages/<stage>.json` (its summary, wall time and
+the config entries it depends on, fingerprinted; a downstream stage's fingerprint includes the run of the
+stages it reads). A rerun skips a finished stage whose fingerprint is unchanged and reuses its saved
+summary; a changed one reruns (pretrain in place, so raising `train.steps` continues training; the others
+start over, their old outputs moved to `<workdir>/stages/previous/`). `config.force` ("sft,rl" or "all")
+starts stages over the same way. An interrupted stage (Ctrl-C, a crash) writes no marker and resumes from
+its own checkpoints on the next run; Ctrl-C stops the run after the stage has saved.
 
 Shape suffixes: B batch, T time, V vocab, N decoded tokens.
 """
@@ -25,15 +33,37 @@ import numpy as np
 from composer_jax import model, sharding
 from composer_jax.model.config import ModelConfig, RopeConfig
 
-STAGES = ("demo", "pretrain", "synth", "sft", "rl")
+STAGES = ("demo", "pretrain", "synth", "sft", "rl", "plan")
 _log = functools.partial(print, "[pipeline]", flush=True)
 
 
 def run(config: Any, workdir: str) -> dict[str, Any]:
-  """Runs each stage of `config.stages`; returns {stage: its summary dict}."""
+  """Runs (or skips, when finished with the same config) each stage of `config.stages`, prints the
+  summary and writes `<workdir>/summary.json`; returns {stage: its summary dict}."""
+  from composer_jax import report, resume
+
   stages = parse_stages(config.stages)
-  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-  return {stage: _STAGE_FNS[stage](config, workdir) for stage in stages}
+  force = _parse_force(config.get("force") or "", stages)
+  pathlib.Path(workdir, "stages").mkdir(parents=True, exist_ok=True)
+  results: dict[str, Any] = {}
+  runs: dict[str, dict] = {}
+  try:
+    for i, stage in enumerate(stages):
+      _log(f"===== stage {i + 1}/{len(stages)}: {stage} =====")
+      results[stage], runs[stage] = resume.run_stage(
+        stage, _STAGE_FNS[stage], config, workdir, stage in force
+      )
+  except KeyboardInterrupt:
+    _log(
+      f"interrupted in stage {stages[len(results)]}: it saved its checkpoint; finished stages are recorded "
+      f"under {workdir}/stages. Rerun the same command to resume."
+    )
+    raise
+  finally:
+    if results:
+      text = report.write(report.build(results, runs, workdir), workdir)
+      print(text, flush=True)
+  return results
 
 
 def parse_stages(stages: str) -> list[str]:
@@ -42,6 +72,12 @@ def parse_stages(stages: str) -> list[str]:
   if unknown or not names:
     raise ValueError(f"stages={stages!r} has unknown or no stage names; known stages: {', '.join(STAGES)}.")
   return names
+
+
+def _parse_force(force: str, stages: list[str]) -> set[str]:
+  if force.strip() == "all":
+    return set(stages)
+  return set(parse_stages(force)) if force.strip() else set()
 
 
 def model_config_from(cfg: Any) -> ModelConfig:
@@ -206,191 +242,47 @@ def synth(config: Any, workdir: str) -> dict[str, Any]:
     max_tasks_per_source=s.max_tasks_per_source,
     runs=s.runs,
     timeout_s=s.timeout_s,
+    done_dir=pathlib.Path(workdir, "synth_done"),
   )
-
-
-def rl_model_config(config: Any) -> ModelConfig:
-  """The experiment's model with `config.rl.model` overrides (the small one-device SFT/RL model)."""
-  return dataclasses.replace(model_config_from(config.model), **config.rl.model.to_dict())
-
-
-def _rl_optimizer(config: Any, lr: float, steps: int, warmup: int, min_lr_ratio: float) -> Any:
-  from composer_jax import optim
-
-  fields = config.optim.to_dict() | dict(
-    learning_rate=lr,
-    total_steps=max(steps, 2),
-    warmup_steps=min(warmup, max(steps, 2) - 1),
-    min_lr_ratio=min_lr_ratio,
-  )
-  return optim.OptimizerConfig(**fields)
 
 
 def sft(config: Any, workdir: str) -> dict[str, Any]:
-  """SFT warm-up on `toy.demonstrations` (one device, meshes None); resumes from `<workdir>/sft`."""
-  from composer_jax import optim, train
-  from composer_jax.rl import sft as sft_lib
-  from composer_jax.rl import train as rl_train
-  from composer_jax.rl.envs import toy
-  from composer_jax.train import checkpoint, metrics
+  """`composer_jax.rl.stages.sft`: SFT warm-up of the small one-device model (`<workdir>/sft`)."""
+  from composer_jax.rl import stages
 
-  cfg = rl_model_config(config)
-  scfg = sft_lib.SFTConfig(**{k: v for k, v in config.sft.to_dict().items() if k != "eval_problems"})
-  ocfg = _rl_optimizer(config, scfg.lr, scfg.steps, scfg.warmup_steps, 0.1)
-  tx = build_optimizer(ocfg, cfg, None)
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
-  record = checkpoint.config_record(model=cfg, optim=ocfg, sft=scfg, seed=config.seed)
-  ckpt = checkpoint.Checkpointer(pathlib.Path(workdir, "sft"), record, keep=scfg.keep_checkpoints)
-  if ckpt.latest_step() is not None:
-    state, _ = ckpt.restore(state)
-    _log(f"sft: resumed from {ckpt.directory}/{int(state.step)}")
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  _log(f"sft: {n_params:,} params, one device (meshes None), {scfg.steps} steps x {scfg.batch_size} demos")
-  demos = toy.demonstrations(
-    scfg.demos, seed=config.seed, mistake_fraction=scfg.mistake_fraction, hint_fraction=scfg.hint_fraction
-  )
-  step = sft_lib.make_sft_step(cfg, tx, optim.lr_schedule(ocfg), router_bias_rate=scfg.router_bias_rate)
-  writer = metrics.MetricsWriter(pathlib.Path(workdir, "sft_metrics"))
-  try:
-    state, summary = sft_lib.fit(
-      state, step, demos, scfg, seed=config.seed, writer=writer,
-      save=lambda s, force: ckpt.save(s, {}, force=force), log=print,
-    )  # fmt: skip
-  finally:
-    ckpt.close()
-    writer.close()
-  rcfg = rl_config_from(config)
-  for name, temp in (("sampled", rcfg.temperature), ("greedy", 0.0)):
-    ev = rl_train.evaluate(state.params, cfg, rcfg, n=config.sft.eval_problems, temperature=temp)
-    summary[f"eval_{name}"] = ev
-    _log(
-      f"sft eval ({name}, {config.sft.eval_problems} problems): pass {ev['pass_rate']:.2f} "
-      f"invalid-call rate {ev['invalid_call_rate']:.3f} turns {ev['turns_per_rollout']:.2f}"
-    )
-  summary.pop("losses")
-  pathlib.Path(workdir, "sft.json").write_text(json.dumps(summary, indent=1))
-  _log(f"sft: loss {summary['first_loss']} -> {summary['last_loss']} in {summary['seconds']:.0f}s")
-  return summary
-
-
-def rl_config_from(config: Any) -> Any:
-  from composer_jax.rl import train as rl_train
-
-  fields = {k: v for k, v in config.rl.to_dict().items() if k not in ("model", "coding")}
-  return rl_train.RLConfig(**fields)
-
-
-def load_sft_params(workdir: str, cfg: ModelConfig) -> Any | None:
-  """Params of the newest `<workdir>/sft` checkpoint (None if there is none); its model must be `cfg`."""
-  from composer_jax import optim, train
-  from composer_jax.train import checkpoint
-
-  d = pathlib.Path(workdir, "sft")
-  if not d.exists():
-    return None
-  probe = checkpoint.Checkpointer(d, {}, keep=100)
-  step = probe.latest_step()
-  if step is None:
-    probe.close()
-    return None
-  meta = probe.read_meta(step)
-  probe.close()
-  want = checkpoint.config_record(model=cfg)["model"]
-  if meta["config"].get("model") != want:
-    raise checkpoint.CheckpointError(f"{d}/{step} holds a different model than config.rl.model; rerun sft.")
-  ocfg = optim.OptimizerConfig(**meta["config"]["optim"])
-  tx = build_optimizer(ocfg, cfg, None)
-  template = train.create_state(cfg, tx, jax.random.key(0), None)
-  ck = checkpoint.Checkpointer(d, meta["config"], keep=100)
-  try:
-    state, _ = ck.restore(template, step)
-  finally:
-    ck.close()
-  return state.params
+  return stages.sft(config, workdir)
 
 
 def rl(config: Any, workdir: str) -> dict[str, Any]:
-  """RL from the SFT checkpoint (random init if none, with a warning); resumes from `<workdir>/rl`."""
-  from composer_jax import optim, train
-  from composer_jax.rl import train as rl_train
-  from composer_jax.train import checkpoint, metrics
+  """`composer_jax.rl.stages.rl`: RL with targeted text feedback from the SFT checkpoint (`<workdir>/rl`)."""
+  from composer_jax.rl import stages
 
-  cfg = rl_model_config(config)
-  rcfg = rl_config_from(config)
-  ocfg = _rl_optimizer(config, rcfg.lr, rcfg.steps, 0, 1.0)
-  tx = build_optimizer(ocfg, cfg, None)
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
-  record = checkpoint.config_record(model=cfg, optim=ocfg, rl=rcfg, seed=config.seed)
-  ckpt = checkpoint.Checkpointer(pathlib.Path(workdir, "rl"), record, keep=rcfg.keep_checkpoints)
-  if ckpt.latest_step() is not None:
-    state, _ = ckpt.restore(state)
-    _log(f"rl: resumed from {ckpt.directory}/{int(state.step)}")
-  else:
-    params = load_sft_params(workdir, cfg)
-    if params is None:
-      _log("rl: no SFT checkpoint under <workdir>/sft: starting from random weights (run stage sft first)")
-    else:
-      state = train.TrainState(step=state.step, params=params, opt_state=tx.init(params))
-      _log(f"rl: starting from the SFT checkpoint in {workdir}/sft")
-  if rcfg.env == "toy":
-    make_envs = rl_train.toy_envs(rcfg)
-  elif rcfg.env == "coding":
-    make_envs = _coding_envs(config, workdir, rcfg)
-  else:
-    raise ValueError(f"rl.env must be 'toy' or 'coding', got {rcfg.env!r}")
-  schedule = optim.lr_schedule(ocfg)
-  steps = {fb: rl_train.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
-  _log(
-    f"rl: env {rcfg.env}, {rcfg.steps} steps x {rcfg.problems_per_step} problems x {rcfg.group_size} "
-    f"rollouts, "
-    f"{rcfg.objective}/{rcfg.advantage}, lambda_feedback {rcfg.lambda_feedback} ({rcfg.divergence})"
-  )
-  writer = metrics.MetricsWriter(pathlib.Path(workdir, "rl_metrics"))
-  try:
-    state, summary = rl_train.fit(
-      state, steps, make_envs, cfg, rcfg, writer=writer,
-      save=lambda s, force: ckpt.save(s, {}, force=force), log=print,
-    )  # fmt: skip
-  finally:
-    ckpt.close()
-    writer.close()
-  h = summary["history"]
-  if h:
-    _log(
-      f"rl: reward {h[0]['reward']:.3f} -> {h[-1]['reward']:.3f}, invalid-call rate "
-      f"{h[0]['invalid_call_rate']:.3f} -> {h[-1]['invalid_call_rate']:.3f}, {summary['seconds']:.0f}s"
-    )
-  pathlib.Path(workdir, "rl.json").write_text(json.dumps(summary, indent=1))
-  return summary
+  return stages.rl(config, workdir)
 
 
-def _coding_envs(config: Any, workdir: str, rcfg: Any):
-  """P tasks of the TFDS dataset `<workdir>/synth_tasks` (stage synth) x G rollouts per step."""
-  from composer_jax.rl.envs import coding
-  from composer_jax.synth import dataset, tasks
+def plan(config: Any, workdir: str) -> dict[str, Any]:
+  """`composer_jax.plan.run_stage`: per-device memory and collective traffic of `config` (`config.plan`)."""
+  from composer_jax import plan as planner
 
-  records = dataset.read_tasks(pathlib.Path(workdir, "synth_tasks"))
-  if not records:
-    raise ValueError(f"no tasks under {workdir}/synth_tasks: run stage synth first")
-  task_list = [tasks.Task.from_record(r) for r in records]
-  root = pathlib.Path(workdir, "rl_episodes")
-  ccfg = coding.CodingConfig(max_turns=rcfg.max_turns, max_output_chars=config.rl.coding.output_chars)
-
-  def make(step: int):
-    picks = [(step * rcfg.problems_per_step + i) % len(task_list) for i in range(rcfg.problems_per_step)]
-    G = rcfg.group_size
-    env_list = [
-      coding.CodingEnv(task_list[t], root / f"{step}-{i}", ccfg)
-      for i, t in enumerate(picks)
-      for _ in range(G)
-    ]
-    seeds = [g for _ in picks for g in range(G)]
-    return env_list, seeds, [i for i in range(len(picks)) for _ in range(G)]
-
-  return make
+  return planner.run_stage(config, workdir)
 
 
-_STAGE_FNS = {"demo": demo, "pretrain": pretrain, "synth": synth, "sft": sft, "rl": rl}
+_STAGE_FNS = {"demo": demo, "pretrain": pretrain, "synth": synth, "sft": sft, "rl": rl, "plan": plan}
+_RL_HELPERS = {
+  "rl_model_config": "rl_model_config",
+  "rl_config_from": "rl_config_from",
+  "load_sft_params": "load_sft_params",
+  "_rl_optimizer": "rl_optimizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+  """`pipeline.rl_model_config` etc. (benchmarks, older callers): the helpers of `composer_jax.rl.stages`."""
+  if name in _RL_HELPERS:
+    from composer_jax.rl import stages
+
+    return getattr(stages, _RL_HELPERS[name])
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)

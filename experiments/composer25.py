@@ -1,6 +1,6 @@
 """Composer 2.5 reproduction on a Kimi-K2.5-shaped (DeepSeek-V3 family) MoE transformer.
 
-  python run.py --config=experiments/composer25.py                     # tiny: demo + pretrain, ~4 min
+  python run.py --config=experiments/composer25.py                     # tiny: all stages, est. ~15 min
   python run.py --config=experiments/composer25.py:moonlight_16b       # Moonlight-16B-A3B shapes, 64 devices
   python run.py --config=experiments/composer25.py:kimi_k25_1t         # Kimi K2.5 (1T) shapes, 1024 devices
   python run.py --config=experiments/composer25.py --config.model.n_layers=2 --config.demo.decode_tokens=4
@@ -8,29 +8,40 @@
   python run.py --config=experiments/composer25.py --config.stages=demo               # tiny: ~a minute
   python run.py --config=experiments/composer25.py --config.stages=pretrain --config.train.steps=400
 
-`stages` is a comma-separated list run in order:
+`stages` is a comma-separated list run in order; tiny's default is pretrain,synth,sft,rl (the others:
+demo,pretrain). The run ends with a summary (losses, tasks built, SFT and RL rates, the feedback effect,
+where checkpoints and metrics are), also in <workdir>/summary.json. Rerunning a command skips the stages
+it finished with the same config (<workdir>/stages/<stage>.json), reruns those whose config changed and
+resumes an interrupted stage from its last checkpoint; `--config.force=sft,rl` (or `all`) starts stages
+over, their old outputs moved to <workdir>/stages/previous/.
   demo      build the sharded model on both meshes, print the parameter/sharding table, one forward
             pass, greedy-decode a few tokens.
   pretrain  next-token training on the stdlib corpus (built under <workdir>/tfds), sharded Muon +
             AdamW, validation every `train.eval_every` steps, checkpoints in <workdir>/checkpoints
             (rerun the same command to resume; Ctrl-C saves first), metrics in <workdir>/metrics.
   synth     feature-deletion coding tasks from `synth.sources` (pinned PyPI sdists, cached under
-            <workdir>/synth_sources) and `synth.local_dir`: one progress line per candidate, a summary
-            table per source, tasks in the TFDS dataset <workdir>/synth_tasks, summary <workdir>/synth.json
-            (Ctrl-C writes the tasks built so far). Needs bubblewrap + PyPI.
-  python run.py --config=experiments/composer25.py --config.stages=synth --config.synth.max_tasks_per_source=3
+            <workdir>/synth_sources; tiny: 2 tasks of inflection) and `synth.local_dir`: one progress line
+            per candidate, a summary table per source, tasks in the TFDS dataset <workdir>/synth_tasks,
+            summary <workdir>/synth.json (Ctrl-C writes the tasks built so far; a rerun reuses finished
+            sources). Needs bubblewrap + PyPI.
+  python run.py --config=experiments/composer25.py --config.stages=synth --workdir=runs/synth \\
+      --config.synth.sources=toolz,boltons,cachetools,tabulate,humanize,inflection \\
+      --config.synth.max_tasks_per_source=3                                         # all six: ~6 min
   sft       SFT warm-up of a small one-device model (`rl.model` overrides) on toy tool-use demonstrations
             (incl. invalid calls, errors and hints), checkpoints in <workdir>/sft, then solve rate and
             invalid-call rate on fresh problems (sampled and greedy) in <workdir>/sft.json.
   rl        multi-turn RL from the SFT checkpoint: P problems x G rollouts per step through the KV-cache
             sampler, Dr.GRPO, targeted text feedback (lambda_feedback > 0), Muon; <workdir>/rl, rl_metrics.
-  python run.py --config=experiments/composer25.py --config.stages=sft,rl --workdir=runs/rl_toy  # ~10 min
-  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.lambda_feedback=0.5
-  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.env=coding \
+            With `rl.compare_without_feedback` (on by default) the same run with lambda_feedback 0 follows
+            on the same problems and seeds (<workdir>/rl_nofb), for the summary's side-by-side.
+  plan      per-device memory and collective traffic of the config (composer_jax/plan.py, `plan`).
+  python run.py --config=experiments/composer25.py --config.stages=sft,rl --workdir=runs/rl_toy
+  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.lambda_feedback=0.05
+  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.env=coding \\
       --config.rl.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2   # after stage synth
 
 Variants:
-  tiny           CPU default (demo + 60 pretraining steps: ~4 min on 2 cores). Dense mesh
+  tiny           CPU default (all stages: est. ~15 min on 2 idle cores; 51 min at load ~15). Dense mesh
                  (replica=4, fsdp=1, context=2) and expert mesh (expert=8, expert_fsdp=1) on 8
                  devices (run.py and the tests force 8 CPU devices when no accelerator is present).
   moonlight_16b  Moonlight-16B-A3B (15.96B total, 2.24B active non-embedding): q_proj without
@@ -53,7 +64,9 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.variant = variant
   c.seed = 0
-  c.stages = "demo,pretrain"  # comma-separated: demo, pretrain, synth, sft, rl.
+  # Comma-separated, run in order: demo, pretrain, synth, sft, rl, plan; a rerun skips finished stages.
+  c.stages = "pretrain,synth,sft,rl" if variant == "tiny" else "demo,pretrain"
+  c.force = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs are moved aside
   c.workdir = config_dict.placeholder(str)  # None: run.py's --workdir, else runs/<variant>.
 
   c.mesh = ml_collections.ConfigDict()
@@ -71,6 +84,8 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
   c.synth = _synth(variant)
   c.sft = _sft()
   c.rl = _rl()
+  c.plan = _plan()
+  c.rl.compare_without_feedback = True  # stage rl: then the same run with lambda_feedback 0 (same seeds)
   if variant == "tiny":
     c.mesh.dense = (4, 1, 2)  # (replica, fsdp, context); 8 devices.
     c.mesh.expert = (8, 1)  # (expert, expert_fsdp); 8 devices, one expert each.
@@ -90,6 +105,20 @@ def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     c.demo.prompt_len = 256
     c.demo.decode_tokens = 16
   return c
+
+
+def _plan() -> ml_collections.ConfigDict:
+  """The `plan` stage (composer_jax/plan.py): per-device memory, collective bytes, Newton–Schulz time.
+
+  devices None plans the variant's own meshes; another count keeps fsdp, context and expert_fsdp and
+  scales replica and expert (an error when that does not divide).
+  """
+  p = dict(
+    devices=config_dict.placeholder(int),  # None: the product of the variant's mesh shape
+    peak_flops=config_dict.placeholder(float),  # FLOP/s per device for the NS time; None: train.peak_flops
+    hbm_gib=141.0,  # memory per device the plan is checked against (H200; H100: 80)
+  )
+  return ml_collections.ConfigDict(p)
 
 
 def _sft() -> ml_collections.ConfigDict:
@@ -170,11 +199,13 @@ def _synth(variant: str) -> ml_collections.ConfigDict:
   """The `synth` stage (composer_jax/synth/build.py)."""
   from composer_jax.synth.sources import DEFAULT_SOURCES  # stdlib only: cheap to import here
 
+  all_sources = ",".join(src.name for src in DEFAULT_SOURCES)
   s = dict(
-    sources=",".join(src.name for src in DEFAULT_SOURCES),  # comma-separated DEFAULT_SOURCES names; "" none
+    # comma-separated DEFAULT_SOURCES names; "" none. tiny: the fastest source (~5 tasks/min on 2 cores).
+    sources="inflection" if variant == "tiny" else all_sources,
     local_dir=config_dict.placeholder(str),  # a local repository (with tests) to cut tasks from as well
     mode="stub",  # "stub": body -> NotImplementedError, signature + docstring kept; "remove": definition gone
-    max_tasks_per_source=3 if variant == "tiny" else config_dict.placeholder(int),  # None: all candidates
+    max_tasks_per_source=2 if variant == "tiny" else config_dict.placeholder(int),  # None: all candidates
     runs=3,  # baseline suite runs (flaky tests dropped)
     timeout_s=300.0,  # per sandboxed suite run
   )

@@ -6,7 +6,10 @@ Per source: fetch (cached under `<workdir>/synth_sources`), an editable venv (bu
 `ready`), `tasks.make_tasks` with one progress line per candidate, then a summary row: candidates tried,
 valid, rejections by reason, seconds per valid task, tasks per minute, yield (valid ÷ candidates tried).
 All valid tasks go to `<workdir>/synth_tasks` (`dataset.write_tasks`). Ctrl-C writes what is done (tasks
-of finished sources and the valid tasks of the current one) before re-raising.
+of finished sources and the valid tasks of the current one) before re-raising. With `done_dir`, each
+finished PyPI source's tasks and summary row are kept in `<done_dir>/<name>-<version>.json` and a later
+build with the same settings reuses them instead of rebuilding the source (local dirs are always rebuilt:
+their content is not pinned).
 """
 
 import collections
@@ -104,6 +107,7 @@ def build(
   runs: int = 3,
   timeout_s: float = 300.0,
   log: Callable[[str], None] | None = None,
+  done_dir: str | os.PathLike | None = None,
 ) -> dict:
   """Build tasks for each of `items` (Source or local dir), write the dataset, return the summary."""
   log = log or functools.partial(print, flush=True)
@@ -117,9 +121,28 @@ def build(
   t_all = time.perf_counter()
   try:
     for src_obj in srcs:
+      key = dict(mode=mode, max_tasks=max_tasks_per_source, runs=runs, version=src_obj.version)
+      done = pathlib.Path(done_dir, f"{src_obj.name}-{src_obj.version}.json") if done_dir else None
+      if done is not None and src_obj.kind == "sdist":
+        key["sha256"] = src_obj.sha256
+        reused = _reuse(done, key)
+        if reused is not None:
+          rows.append(reused[0])
+          built += reused[1]
+          log(
+            f"[synth] {src_obj.name} {src_obj.version}: {len(reused[1])} task(s) of an earlier build ({done})"
+          )
+          continue
       row = SourceSummary(src_obj.name, src_obj.version)
       rows.append(row)
+      n_before = len(built)
       _build_source(src_obj, cache, row, built, mode, max_tasks_per_source, runs, timeout_s, log)
+      if done is not None and src_obj.kind == "sdist" and not row.error:
+        done.parent.mkdir(parents=True, exist_ok=True)
+        records = [t.to_record() for t in built[n_before:]]
+        tmp = done.with_suffix(".tmp")  # replaced atomically: a Ctrl-C mid-write leaves no half file
+        tmp.write_text(json.dumps(dict(key=key, row=dataclasses.asdict(row), records=records), indent=1))
+        tmp.replace(done)
   except KeyboardInterrupt:
     interrupted = True
     log("[synth] interrupted: writing the tasks built so far")
@@ -138,6 +161,19 @@ def build(
   if interrupted:
     raise KeyboardInterrupt
   return summary
+
+
+def _reuse(done: pathlib.Path, key: dict) -> tuple[SourceSummary, list] | None:
+  """(row, tasks) of a source finished by an earlier build with the same settings, if its files remain."""
+  if not done.exists():
+    return None
+  saved = json.loads(done.read_text())
+  if saved.get("key") != key:
+    return None
+  found = [tasks.Task.from_record(r) for r in saved["records"]]
+  if not all(pathlib.Path(t.repo_dir).exists() and pathlib.Path(t.venv).exists() for t in found):
+    return None
+  return SourceSummary(**saved["row"]), found
 
 
 def _write(built: list, data_dir: pathlib.Path) -> str:

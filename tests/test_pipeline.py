@@ -1,0 +1,211 @@
+"""The pipeline around the stages: stage-level resume (a finished stage is skipped with the same config,
+rerun when its config or an upstream stage changed, started over on `force`; an interrupted stage leaves
+no marker), the end-of-run summary built from the stages' summaries, and synth → sft → rl on the coding env
+over the tasks the synth stage cut from the fixture repository of tests/test_synth_tasks.py."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+from composer_jax import pipeline, report
+
+_EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
+
+
+def _config(stages: str):
+  spec = importlib.util.spec_from_file_location("composer25", _EXPERIMENT)
+  exp = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(exp)
+  c = exp.get_config("tiny")
+  c.stages = stages
+  return c
+
+
+@pytest.fixture
+def fake_stages(monkeypatch):
+  """demo, sft and rl replaced by stubs that record their calls and write one output file each."""
+  calls = []
+
+  def stub(name, out):
+    def fn(config, workdir):
+      calls.append(name)
+      pathlib.Path(workdir, out).write_text("{}")
+      return {"loss": float(config.demo.batch), "uniform_loss": 6.9, "steps": config.sft.steps}
+
+    return fn
+
+  for name, out in (("demo", "demo.json"), ("sft", "sft.json"), ("rl", "rl.json")):
+    monkeypatch.setitem(pipeline._STAGE_FNS, name, stub(name, out))
+  return calls
+
+
+def test_finished_stage_is_skipped_and_rerun_when_its_config_changes(tmp_path, fake_stages, capsys):
+  c = _config("demo")
+  first = pipeline.run(c, str(tmp_path))
+  second = pipeline.run(c, str(tmp_path))
+  assert fake_stages == ["demo"] and second == first
+  assert "demo: finished" in capsys.readouterr().out
+  marker = json.loads((tmp_path / "stages" / "demo.json").read_text())
+  assert marker["summary"]["loss"] == 4.0 and marker["config"]["demo"]["batch"] == 4
+
+  c.demo.batch = 8
+  assert pipeline.run(c, str(tmp_path))["demo"]["loss"] == 8.0
+  out = capsys.readouterr().out
+  assert fake_stages == ["demo", "demo"] and "demo.batch: 4 -> 8" in out
+  (previous,) = (tmp_path / "stages" / "previous").iterdir()  # the old outputs, moved aside, not deleted
+  assert sorted(p.name for p in previous.iterdir()) == ["demo.json", "marker.json"]
+
+  c.force = "demo"  # the same config, started over
+  pipeline.run(c, str(tmp_path))
+  assert fake_stages == ["demo"] * 3 and len(list((tmp_path / "stages" / "previous").iterdir())) == 2
+
+
+def test_rerunning_an_upstream_stage_reruns_the_stages_that_read_it(tmp_path, fake_stages):
+  c = _config("sft,rl")
+  pipeline.run(c, str(tmp_path))
+  c.sft.steps = 3  # sft reruns from scratch, so rl (which starts from its checkpoint) must too
+  pipeline.run(c, str(tmp_path))
+  assert fake_stages == ["sft", "rl", "sft", "rl"]
+  c.rl.steps = 1  # rl alone
+  pipeline.run(c, str(tmp_path))
+  assert fake_stages == ["sft", "rl", "sft", "rl", "rl"]
+  c.force = "sft"  # sft again with the same config: rl starts from a new checkpoint, so it reruns too
+  pipeline.run(c, str(tmp_path))
+  assert fake_stages == ["sft", "rl", "sft", "rl", "rl", "sft", "rl"]
+
+
+def test_interrupted_stage_leaves_no_marker_and_keeps_the_finished_ones(tmp_path, fake_stages, monkeypatch):
+  def interrupted(config, workdir):
+    return {"interrupted": True}  # what pretrain returns after Ctrl-C (it saved a checkpoint)
+
+  monkeypatch.setitem(pipeline._STAGE_FNS, "pretrain", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    pipeline.run(_config("demo,pretrain,sft"), str(tmp_path))
+  assert sorted(p.name for p in (tmp_path / "stages").glob("*.json")) == ["demo.json"]
+  assert list(json.loads((tmp_path / "summary.json").read_text())["stages"]) == ["demo"]
+  assert fake_stages == ["demo"]
+
+
+def test_summary_from_stage_summaries(tmp_path):
+  hist = lambda rewards, invalid, fb: [  # noqa: E731
+    dict(
+      step=i + 1,
+      reward=r,
+      pass_rate=r,
+      invalid_call_rate=v,
+      feedback_turns_per_rollout=fb,
+      feedback_kl=0.1 * fb,
+    )
+    for i, (r, v) in enumerate(zip(rewards, invalid, strict=True))
+  ]
+  results = {
+    "pretrain": dict(
+      start_step=0,
+      steps=60,
+      first_train_loss=6.9,
+      last_train_loss=2.5,
+      first_validation_loss=6.9,
+      last_validation_loss=2.6,
+    ),
+    "synth": dict(total_valid=2, sources=[dict(name="inflection", valid=2, candidates=3, error="")]),
+    "sft": dict(
+      steps=60,
+      first_loss=5.7,
+      last_loss=0.4,
+      eval_sampled=dict(pass_rate=0.1, invalid_call_rate=0.2),
+      eval_greedy=dict(pass_rate=0.3, invalid_call_rate=0.0),
+    ),
+    "rl": dict(
+      steps=6,
+      lambda_feedback=0.5,
+      history=hist([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.3] * 3 + [0.5] * 3, 1.0),
+      without_feedback=dict(steps=6, lambda_feedback=0.0, history=hist([0.1] * 6, [0.3] * 6, 0.0)),
+    ),
+  }
+  runs = {k: dict(seconds=10.0, skipped=k == "pretrain", finished="then") for k in results}
+  rep = report.build(results, runs, str(tmp_path))
+  st = rep["stages"]
+  assert st["pretrain"]["checkpoints"] == str(tmp_path / "checkpoints") and rep["seconds_this_run"] == 30.0
+  assert st["synth"]["tasks"] == 2 and st["synth"]["candidates"] == 3
+  assert st["sft"]["sampled"]["invalid_call_rate"] == 0.2
+  rl = st["rl"]  # 6 steps: windows of 2
+  assert rl["window"] == 2 and rl["reward"] == pytest.approx(dict(first=0.15, last=0.55))
+  assert (
+    rl["invalid_call_rate"] == pytest.approx(dict(first=0.3, last=0.5))
+    and rl["feedback_turns_per_rollout"] == 1
+  )
+  assert rl["without_feedback"]["feedback_kl"] == 0.0
+  text = report.write(rep, str(tmp_path))
+  assert json.loads((tmp_path / "summary.json").read_text()) == rep
+  wants = ["train loss 6.900 -> 2.500", "2 tasks built of 3 candidates", "sampled pass 0.10"]
+  wants += ["invalid-call rate 0.300 -> 0.500", "invalid-call rate +0.200, reward +0.450", "pretrain 10 s"]
+  assert all(w in text for w in wants), text
+
+
+# The few-thousand-parameter model of tests/test_rl_loop.py, as `rl.model` overrides.
+_TINY_RL = dict(d_model=32, n_heads=2, dense_mlp_dim=64, moe_mlp_dim=16, q_lora_rank=16, kv_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
+
+
+def test_synth_sft_rl_on_coding_tasks_then_all_skipped(tmp_path, monkeypatch, capsys):
+  from test_synth_tasks import fixture_env
+
+  from composer_jax.synth import build, sandbox
+
+  if not sandbox.available():
+    pytest.skip("bubblewrap/prlimit not installed")
+  src, venv = fixture_env()
+  monkeypatch.setattr(build, "ensure_venv", lambda *_: venv)  # the fixture's venv, built once per machine
+  c = _config("synth,sft,rl")
+  c.synth.update(sources="", local_dir=str(src), max_tasks_per_source=1, runs=1)
+  # 267: exactly the byte tokenizer's ids. An untrained model over the default 272 samples ids 267-271,
+  # which the byte tokenizer cannot decode (KeyError in the coding env: the step fails).
+  c.rl.model.update(_TINY_RL, vocab_size=267)
+  c.sft.update(steps=2, batch_size=4, demos=16, log_every=1, eval_problems=0)  # 0: no evaluation
+  c.rl.update(env="coding", steps=1, problems_per_step=1, group_size=2, max_turns=1, max_turn_tokens=16)
+  c.rl.update(cache_len=4096, lambda_feedback=0.5, compare_without_feedback=False)
+  c.rl.coding.output_chars = 400
+  out = pipeline.run(c, str(tmp_path))
+
+  assert out["synth"]["total_valid"] == 1 and (tmp_path / "synth_tasks").exists()
+  assert out["sft"]["steps"] == 2 and "eval_greedy" not in out["sft"]
+  rl = out["rl"]
+  (h,) = rl["history"]
+  assert rl["steps"] == 1 and rl["failed_steps"] == 0 and h["failed_rollouts"] == 0, rl
+  assert (tmp_path / "rl" / "1").exists() and len(list((tmp_path / "rl_episodes").iterdir())) == 1
+  rep = json.loads((tmp_path / "summary.json").read_text())
+  assert rep["stages"]["synth"]["tasks"] == 1 and rep["stages"]["rl"]["reward"]["first"] == h["reward"]
+  assert "starting from the SFT checkpoint" in capsys.readouterr().out
+
+  again = pipeline.run(c, str(tmp_path))  # everything finished: nothing recomputed
+  printed = capsys.readouterr().out
+  assert printed.count("with this config: skipped") == 3 and again == json.loads(json.dumps(out))
+  assert json.loads((tmp_path / "summary.json").read_text())["seconds_this_run"] == 0
+
+
+def test_synth_rebuild_reuses_finished_pypi_sources(tmp_path, monkeypatch):
+  from composer_jax.synth import build, sources, tasks
+
+  built_sources = []
+
+  def fake_build_source(src_obj, cache, row, built, mode, max_tasks, runs, timeout_s, log):
+    built_sources.append(src_obj.name)
+    (tmp_path / "repo").mkdir(exist_ok=True)
+    repo = str(tmp_path / "repo")
+    fields = dict(feature=("f",), mode=mode, patch="", gold_patch="", fail_to_pass=("t",), pass_to_pass=())
+    fields |= dict(hidden_tests=(), statement="", created_at="", repo_dir=repo, venv=repo, test_files={})
+    built.append(tasks.Task(f"{src_obj.name}-1", {"name": src_obj.name}, **fields))
+    row.candidates, row.valid = 1, 1
+
+  monkeypatch.setattr(build, "_build_source", fake_build_source)
+  monkeypatch.setattr(build, "_write", lambda built, d: str(d))
+  a, b = sources.DEFAULT_SOURCES[:2]
+  kw = dict(max_tasks_per_source=1, log=lambda _: None, done_dir=tmp_path / "done")
+  build.build([a], tmp_path, **kw)
+  summary = build.build([a, b], tmp_path, **kw)  # a source added: the finished one is reused
+  assert built_sources == [a.name, b.name] and summary["total_valid"] == 2
+  assert [r["valid"] for r in summary["sources"]] == [1, 1]
+  build.build([a, b], tmp_path, **(kw | dict(max_tasks_per_source=2)))  # other settings: rebuilt
+  assert built_sources == [a.name, b.name, a.name, b.name]
