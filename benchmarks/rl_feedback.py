@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 
 from composer_jax import model, optim, pipeline, train  # noqa: E402
+from composer_jax.rl import stages as rl_stages  # noqa: E402
 from composer_jax.rl import train as rl_train  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def experiment_config():
 
 
 def fresh_state(config, cfg, rcfg, params):
-  ocfg = pipeline._rl_optimizer(config, rcfg.lr, rcfg.steps, rcfg.warmup_steps, 1.0)
+  ocfg = rl_stages.rl_optimizer(config, rcfg.lr, rcfg.steps, rcfg.warmup_steps, 1.0)
   tx = optim.build_optimizer(
     ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), None, model_cfg=cfg
   )
@@ -207,6 +208,7 @@ def main():
   ap.add_argument("--dynamic_sampling", action="store_true")
   ap.add_argument("--warmup", type=int, default=None, help="RL lr warm-up steps")
   ap.add_argument("--matrix_optimizer", default=None, choices=("muon", "adamw"))
+  ap.add_argument("--adam_eps", type=float, default=None, help="AdamW epsilon (default: config.optim)")
   ap.add_argument("--eval_every", type=int, default=5, help="fixed-set evaluation every N steps; 0 off")
   ap.add_argument("--eval_problems", type=int, default=64)
   ap.add_argument("--skip_ratio", action="store_true", help="skip the step-time ratio measurement")
@@ -218,14 +220,16 @@ def main():
   config = experiment_config()
   if args.matrix_optimizer:
     config.optim.matrix_optimizer = args.matrix_optimizer
+  if args.adam_eps is not None:
+    config.optim.adam_eps = args.adam_eps
   if args.sft_steps is not None:
     config.sft.steps = args.sft_steps
-  cfg = pipeline.rl_model_config(config)
+  cfg = rl_stages.rl_model_config(config)
   workdir = str(pathlib.Path(args.workdir).absolute())
-  params = pipeline.load_sft_params(workdir, cfg)
+  params = rl_stages.load_sft_params(workdir, cfg)
   if params is None:
     pipeline.sft(config, workdir)
-    params = pipeline.load_sft_params(workdir, cfg)
+    params = rl_stages.load_sft_params(workdir, cfg)
   sft_info = (
     json.loads(pathlib.Path(workdir, "sft.json").read_text())
     if pathlib.Path(workdir, "sft.json").exists()
@@ -258,7 +262,7 @@ def main():
       return
 
   base = dataclasses.replace(
-    pipeline.rl_config_from(config),
+    rl_stages.rl_config_from(config),
     steps=args.steps,
     problems_per_step=args.problems,
     group_size=args.group,

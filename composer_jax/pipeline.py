@@ -268,21 +268,6 @@ def plan(config: Any, workdir: str) -> dict[str, Any]:
 
 
 _STAGE_FNS = {"demo": demo, "pretrain": pretrain, "synth": synth, "sft": sft, "rl": rl, "plan": plan}
-_RL_HELPERS = {
-  "rl_model_config": "rl_model_config",
-  "rl_config_from": "rl_config_from",
-  "load_sft_params": "load_sft_params",
-  "_rl_optimizer": "rl_optimizer",
-}
-
-
-def __getattr__(name: str) -> Any:
-  """`pipeline.rl_model_config` etc. (benchmarks, older callers): the helpers of `composer_jax.rl.stages`."""
-  if name in _RL_HELPERS:
-    from composer_jax.rl import stages
-
-    return getattr(stages, _RL_HELPERS[name])
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
