@@ -209,6 +209,8 @@ def main():
   ap.add_argument("--warmup", type=int, default=None, help="RL lr warm-up steps")
   ap.add_argument("--matrix_optimizer", default=None, choices=("muon", "adamw"))
   ap.add_argument("--adam_eps", type=float, default=None, help="AdamW epsilon (default: config.optim)")
+  ap.add_argument("--weight_decay", type=float, default=None, help="default: config.optim")
+  ap.add_argument("--router_bias_rate", type=float, default=None, help="default: config.rl")
   ap.add_argument("--eval_every", type=int, default=5, help="fixed-set evaluation every N steps; 0 off")
   ap.add_argument("--eval_problems", type=int, default=64)
   ap.add_argument("--skip_ratio", action="store_true", help="skip the step-time ratio measurement")
@@ -220,8 +222,9 @@ def main():
   config = experiment_config()
   if args.matrix_optimizer:
     config.optim.matrix_optimizer = args.matrix_optimizer
-  if args.adam_eps is not None:
-    config.optim.adam_eps = args.adam_eps
+  for field in ("adam_eps", "weight_decay"):
+    if getattr(args, field) is not None:
+      config.optim[field] = getattr(args, field)
   if args.sft_steps is not None:
     config.sft.steps = args.sft_steps
   cfg = rl_stages.rl_model_config(config)
@@ -268,7 +271,7 @@ def main():
     group_size=args.group,
     feedback_kinds=args.feedback_kinds,
   )
-  for field in ("lr", "feedback_mode", "teacher", "objective"):
+  for field in ("lr", "feedback_mode", "teacher", "objective", "router_bias_rate"):
     if getattr(args, field) is not None:
       base = dataclasses.replace(base, **{field: getattr(args, field)})
   if args.dynamic_sampling:
@@ -302,8 +305,9 @@ def main():
     report_evals = summarise_evals(evals)
   else:
     report_evals = ""
-  upd = {
-    arm: statistics.median(h["update_s"] for hist in hs for h in hist[1:]) for arm, hs in results.items()
+  upd = {  # the first step of each run compiles
+    arm: statistics.median([h["update_s"] for hist in hs for h in hist[1:]] or [float("nan")])
+    for arm, hs in results.items()
   }
   report += [
     f"- {len(seeds)} seeds per arm, {args.steps} RL steps x {args.problems} problems x {args.group} "
