@@ -83,6 +83,10 @@ def _arm(s: dict) -> dict:
     out["window"] = k
     for key in ("feedback_turns_per_rollout", "feedback_kl"):
       out[key] = sum(r.get(key, 0.0) for r in h) / len(h)
+  evals = s.get("evals") or []
+  if len(evals) > 1:  # the fixed problem set, before the first step and after the last evaluated one
+    keep = ("step", "reward", "invalid_call_rate")
+    out["eval"] = dict(first={k: evals[0].get(k) for k in keep}, last={k: evals[-1].get(k) for k in keep})
   return out | {k: s[k] for k in ("checkpoints", "metrics") if k in s}
 
 
@@ -114,11 +118,18 @@ def _arm_line(a: dict) -> str:
   if "reward" not in a:
     return f"{a.get('steps')} steps, no step finished"
   ff = lambda key: f"{_f(a[key]['first'])} -> {_f(a[key]['last'])}"  # noqa: E731
-  return (
+  line = (
     f"reward {ff('reward')}, pass {ff('pass_rate')}, invalid-call rate {ff('invalid_call_rate')}, "
     f"feedback turns/rollout {_f(a['feedback_turns_per_rollout'], '.2f')}, "
     f"feedback KL {_f(a['feedback_kl'], '.4f')}"
   )
+  if "eval" in a:
+    e0, e1 = a["eval"]["first"], a["eval"]["last"]
+    line += (
+      f"; fixed problems, step {e0['step']} -> {e1['step']}: reward {_f(e0['reward'])} -> "
+      f"{_f(e1['reward'])}, invalid-call rate {_f(e0['invalid_call_rate'])} -> {_f(e1['invalid_call_rate'])}"
+    )
+  return line
 
 
 def text(report: dict[str, Any]) -> str:

@@ -121,6 +121,7 @@ def test_summary_from_stage_summaries(tmp_path):
       steps=6,
       lambda_feedback=0.5,
       history=hist([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.3] * 3 + [0.5] * 3, 1.0),
+      evals=[dict(step=s, reward=r, invalid_call_rate=0.1) for s, r in ((0, 0.25), (3, 0.3), (6, 0.45))],
       without_feedback=dict(steps=6, lambda_feedback=0.0, history=hist([0.1] * 6, [0.3] * 6, 0.0)),
     ),
   }
@@ -136,11 +137,15 @@ def test_summary_from_stage_summaries(tmp_path):
     rl["invalid_call_rate"] == pytest.approx(dict(first=0.3, last=0.5))
     and rl["feedback_turns_per_rollout"] == 1
   )
-  assert rl["without_feedback"]["feedback_kl"] == 0.0
+  assert rl["without_feedback"]["feedback_kl"] == 0.0 and "eval" not in rl["without_feedback"]
+  assert rl["eval"]["first"]["reward"] == 0.25 and rl["eval"]["last"] == dict(
+    step=6, reward=0.45, invalid_call_rate=0.1
+  )
   text = report.write(rep, str(tmp_path))
   assert json.loads((tmp_path / "summary.json").read_text()) == rep
   wants = ["train loss 6.900 -> 2.500", "2 tasks built of 3 candidates", "sampled pass 0.10"]
   wants += ["invalid-call rate 0.300 -> 0.500", "invalid-call rate +0.200, reward +0.450", "pretrain 10 s"]
+  wants += ["fixed problems, step 0 -> 6: reward 0.250 -> 0.450"]
   assert all(w in text for w in wants), text
 
 
@@ -209,3 +214,23 @@ def test_synth_rebuild_reuses_finished_pypi_sources(tmp_path, monkeypatch):
   assert [r["valid"] for r in summary["sources"]] == [1, 1]
   build.build([a, b], tmp_path, **(kw | dict(max_tasks_per_source=2)))  # other settings: rebuilt
   assert built_sources == [a.name, b.name, a.name, b.name]
+
+
+def test_rl_history_keeps_training_steps_and_evaluations_apart(tmp_path):
+  """An evaluation written at step s must not replace step s's training record (and vice versa)."""
+  from composer_jax.rl import stages
+  from composer_jax.train import metrics
+
+  w = metrics.MetricsWriter(tmp_path)
+  w.write(0, {"eval_reward": 0.25, "eval_invalid_call_rate": 0.1})
+  for s in (1, 2):
+    w.write(s, {"reward": 0.1 * s, "invalid_call_rate": 0.3})
+  w.write(2, {"eval_reward": 0.5, "eval_invalid_call_rate": 0.05})
+  w.write(2, {"reward": 0.7, "invalid_call_rate": 0.2})  # step 2 redone after a resume: the newest wins
+  w.close()
+  path = tmp_path / "metrics.jsonl"
+  assert [(r["step"], r["reward"]) for r in stages.history(path)] == [(1, 0.1), (2, 0.7)]
+  assert stages.eval_history(path) == [
+    dict(step=0, reward=0.25, invalid_call_rate=0.1),
+    dict(step=2, reward=0.5, invalid_call_rate=0.05),
+  ]

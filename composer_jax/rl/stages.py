@@ -197,6 +197,9 @@ def _arm(config: Any, workdir: str, rcfg: Any, name: str) -> dict[str, Any]:
     raise ValueError(f"rl.env must be 'toy' or 'coding', got {rcfg.env!r}")
   schedule = optim.lr_schedule(ocfg)
   steps = {fb: rl_train.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
+  evaluate = None  # the fixed problem set (rl.eval_every, rl.eval_problems): step-to-step noise-free progress
+  if rcfg.env == "toy" and rcfg.eval_every > 0:
+    evaluate = functools.partial(rl_train.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
   _log(
     f"{name}: env {rcfg.env}, {rcfg.steps} steps x {rcfg.problems_per_step} problems x {rcfg.group_size} "
     f"rollouts, {rcfg.objective}/{rcfg.advantage}, lambda_feedback {rcfg.lambda_feedback} ({rcfg.divergence})"
@@ -206,7 +209,7 @@ def _arm(config: Any, workdir: str, rcfg: Any, name: str) -> dict[str, Any]:
   try:
     state, summary = rl_train.fit(
       state, steps, make_envs, cfg, rcfg, writer=writer,
-      save=lambda s, force: ckpt.save(s, {}, force=force), log=print,
+      save=lambda s, force: ckpt.save(s, {}, force=force), log=print, evaluate=evaluate,
     )  # fmt: skip
   finally:
     ckpt.close()
@@ -214,6 +217,7 @@ def _arm(config: Any, workdir: str, rcfg: Any, name: str) -> dict[str, Any]:
   if summary["interrupted"]:
     raise KeyboardInterrupt
   summary["history"] = history(metrics_dir / "metrics.jsonl") or summary["history"]
+  summary["evals"] = eval_history(metrics_dir / "metrics.jsonl") or summary["evals"]
   summary |= {
     "lambda_feedback": rcfg.lambda_feedback,
     "rollouts_per_step": rcfg.problems_per_step * rcfg.group_size,
@@ -229,15 +233,24 @@ def _arm(config: Any, workdir: str, rcfg: Any, name: str) -> dict[str, Any]:
   return summary
 
 
-def history(path: pathlib.Path) -> list[dict]:
-  """The per-step records of a metrics JSONL, one per step (the newest write wins: a step redone after
-  a resume from an older checkpoint replaces the first try), in step order; [] when there is none."""
+def history(path: pathlib.Path, key: str = "reward") -> list[dict]:
+  """The records of a metrics JSONL that carry `key`, one per step (the newest write wins: a step redone
+  after a resume from an older checkpoint replaces the first try), in step order; [] when there is none.
+  key "reward": the training steps; "eval_reward": the fixed-set evaluations (see `eval_history`)."""
   from composer_jax.train import metrics
 
   if not path.exists():
     return []
-  by_step = {rec["step"]: rec for rec in metrics.read_jsonl(path) if "step" in rec}
+  by_step = {rec["step"]: rec for rec in metrics.read_jsonl(path) if "step" in rec and key in rec}
   return [by_step[s] for s in sorted(by_step)]
+
+
+def eval_history(path: pathlib.Path) -> list[dict]:
+  """The fixed-set evaluations of a metrics JSONL in `fit`'s `evals` layout (the `eval_` prefix dropped)."""
+  return [
+    {"step": r["step"]} | {k.removeprefix("eval_"): v for k, v in r.items() if k.startswith("eval_")}
+    for r in history(path, "eval_reward")
+  ]
 
 
 def coding_envs(config: Any, workdir: str, rcfg: Any, root: pathlib.Path):
