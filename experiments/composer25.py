@@ -1,6 +1,6 @@
 """Composer 2.5 reproduction on a Kimi-K2.5-shaped (DeepSeek-V3 family) MoE transformer.
 
-  python run.py --config=experiments/composer25.py                     # tiny: all stages, ~13 min
+  python run.py --config=experiments/composer25.py                     # tiny: all stages, ~10 min
   python run.py --config=experiments/composer25.py:moonlight_16b       # Moonlight-16B-A3B shapes, 64 devices
   python run.py --config=experiments/composer25.py:kimi_k25_1t         # Kimi K2.5 (1T) shapes, 1024 devices
   python run.py --config=experiments/composer25.py --config.model.n_layers=2 --config.demo.decode_tokens=4
@@ -36,13 +36,13 @@ over, their old outputs moved to <workdir>/stages/previous/.
             on the same problems and seeds (<workdir>/rl_nofb), for the summary's side-by-side.
   plan      per-device memory and collective traffic of the config (composer_jax/plan.py, `plan`).
   python run.py --config=experiments/composer25.py --config.stages=sft,rl --workdir=runs/rl_toy
-  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.feedback_mode=loss \\
-      --config.rl.lambda_feedback=0.5
+  python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.feedback_mode=advantage \\
+      --config.rl.lambda_feedback=1.0
   python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.env=coding \\
       --config.rl.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2   # after stage synth
 
 Variants:
-  tiny           CPU default (all stages: ~13 min on 2 idle cores, estimated). Dense mesh (replica=4,
+  tiny           CPU default (all stages: ~10 min on 2 idle cores). Dense mesh (replica=4,
                  fsdp=1, context=2) and expert mesh (expert=8, expert_fsdp=1) on 8
                  devices (run.py and the tests force 8 CPU devices when no accelerator is present).
   moonlight_16b  Moonlight-16B-A3B (15.96B total, 2.24B active non-embedding): q_proj without
@@ -126,9 +126,9 @@ def _sft() -> ml_collections.ConfigDict:
   """The `sft` stage: fields of `composer_jax.rl.sft.SFTConfig` (+ eval_problems)."""
   s = dict(
     # ~1 s/step on 2 CPU cores. Sampled pass rate / invalid-call rate on fresh problems: 60 steps 0.06 / 0.23
-    # (too few successes for group-relative RL to learn from), 150 steps 0.45 / 0.02 (greedy 0.70: room for
-    # RL), 180 steps 0.80 / 0.01, 300 steps 0.98 / 0.00 (nothing left to learn). benchmarks/RESULTS.md.
-    steps=150,
+    # (many invalid calls for feedback, too few successes for RL to learn from), 150 steps 0.45 / 0.02 (greedy
+    # 0.70; the RL recipe below), 180 steps 0.80 / 0.01, 300 steps 0.98 / 0.00. benchmarks/RESULTS.md.
+    steps=60,
     batch_size=32,
     demos=2000,
     lr=3e-3,
@@ -150,24 +150,26 @@ def _rl() -> ml_collections.ConfigDict:
   used by `sft`: one device, meshes None) and `coding` env options."""
   r = dict(
     env="toy",  # "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
-    # 32 x 8 rollouts per step: with 8 x 8 the normalised (Muon) step carried mostly noise and the reward on
-    # new problems stayed flat or fell; with 32 x 8 it rose (benchmarks/RESULTS.md). ~20 s/step on 2 cores.
-    steps=10,
-    problems_per_step=32,
+    # The one-command default shows the mechanics in minutes (8 x 8 rollouts per step: the normalised Muon
+    # step carries mostly noise, and reward on new problems stays flat or falls). The measured recipe in which
+    # it rises (benchmarks/RESULTS.md; ~9 min per arm on 2 cores): --config.sft.steps=150
+    # --config.rl.problems_per_step=32 --config.rl.steps=20.
+    steps=20,
+    problems_per_step=8,
     group_size=8,  # rollouts per problem (a group: the same problem seed)
     objective="drgrpo",  # grpo | drgrpo | dapo | cispo | gspo
     advantage="drgrpo",  # grpo | drgrpo | rloo
-    lambda_feedback=1.0,  # 0: RL alone
-    # "advantage": λ·sg(log q − log p) joins the flagged tokens' advantages (scale-aware under Muon);
-    # "loss": + λ·D(student‖teacher) / its own token count (the issue's form; raised invalid calls)
-    feedback_mode="advantage",
+    lambda_feedback=0.5,  # 0: RL alone
+    # "loss": + λ·D(student‖teacher) / its own token count (the issue's form); "advantage": λ·sg(log q −
+    # log p) joins the flagged tokens' advantages. Neither has helped yet: benchmarks/RESULTS.md.
+    feedback_mode="loss",
     divergence="reverse_kl",  # reverse_kl | forward_kl | jsd
     divergence_top_k=0,  # 0: full vocabulary
     feedback_kinds="",  # e.g. "unknown_tool": act only on these detections; "": FeedbackRules default
     lr=3e-4,  # Muon: 1e-3 lowered the reward, 3e-4 with 32 x 8 rollouts raised it
     warmup_steps=3,  # a fresh optimizer state's first steps are its largest
-    eval_every=10,  # the fixed problem set (also before step 1): progress without the per-step problem draw
-    eval_problems=256,
+    eval_every=20,  # the fixed problem set (also before step 1): progress without the per-step problem draw
+    eval_problems=64,  # 256 for the recipe above (± 0.03 on a reward near 0.5)
     temperature=1.0,
     top_k=0,
     max_turns=6,
