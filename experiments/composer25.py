@@ -1,6 +1,6 @@
 """Composer 2.5 reproduction on a Kimi-K2.5-shaped (DeepSeek-V3 family) MoE transformer.
 
-  python run.py --config=experiments/composer25.py                     # tiny: all stages, ~10 min
+  python run.py --config=experiments/composer25.py                     # tiny: all stages, ~9 min
   python run.py --config=experiments/composer25.py:moonlight_16b       # Moonlight-16B-A3B shapes, 64 devices
   python run.py --config=experiments/composer25.py:kimi_k25_1t         # Kimi K2.5 (1T) shapes, 1024 devices
   python run.py --config=experiments/composer25.py --config.model.n_layers=2 --config.demo.decode_tokens=4
@@ -42,7 +42,7 @@ over, their old outputs moved to <workdir>/stages/previous/.
       --config.rl.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2   # after stage synth
 
 Variants:
-  tiny           CPU default (all stages: ~10 min on 2 idle cores). Dense mesh (replica=4,
+  tiny           CPU default (all stages: 9 min 11 s on 2 idle cores). Dense mesh (replica=4,
                  fsdp=1, context=2) and expert mesh (expert=8, expert_fsdp=1) on 8
                  devices (run.py and the tests force 8 CPU devices when no accelerator is present).
   moonlight_16b  Moonlight-16B-A3B (15.96B total, 2.24B active non-embedding): q_proj without

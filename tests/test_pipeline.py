@@ -227,9 +227,11 @@ def test_rl_history_keeps_training_steps_and_evaluations_apart(tmp_path):
     w.write(s, {"reward": 0.1 * s, "invalid_call_rate": 0.3})
   w.write(2, {"eval_reward": 0.5, "eval_invalid_call_rate": 0.05})
   w.write(2, {"reward": 0.7, "invalid_call_rate": 0.2})  # step 2 redone after a resume: the newest wins
+  w.write(3, {"loss": 0.4})  # an SFT record: neither a training step of RL nor an evaluation
   w.close()
   path = tmp_path / "metrics.jsonl"
   assert [(r["step"], r["reward"]) for r in stages.history(path)] == [(1, 0.1), (2, 0.7)]
+  assert stages.history(path, "loss") == [dict(step=3, loss=0.4)]
   assert stages.eval_history(path) == [
     dict(step=0, reward=0.25, invalid_call_rate=0.1),
     dict(step=2, reward=0.5, invalid_call_rate=0.05),

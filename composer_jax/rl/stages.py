@@ -130,7 +130,7 @@ def sft(config: Any, workdir: str) -> dict[str, Any]:
   if summary["interrupted"]:
     raise KeyboardInterrupt
   summary.pop("losses")
-  logged = history(metrics_dir / "metrics.jsonl")
+  logged = history(metrics_dir / "metrics.jsonl", "loss")
   if logged:  # the whole run's first and last loss, also after a resume
     summary["first_loss"], summary["last_loss"] = logged[0]["loss"], logged[-1]["loss"]
   rcfg = rl_config_from(config)
