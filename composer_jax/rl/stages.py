@@ -99,7 +99,7 @@ def sft(config: Any, workdir: str) -> dict[str, Any]:
   from composer_jax.rl import sft as sft_lib
   from composer_jax.rl import train as rl_train
   from composer_jax.rl.envs import toy
-  from composer_jax.train import checkpoint, metrics
+  from composer_jax.train import checkpoint
 
   cfg = rl_model_config(config)
   scfg = sft_config_from(config)
@@ -118,17 +118,9 @@ def sft(config: Any, workdir: str) -> dict[str, Any]:
   )
   step = sft_lib.make_sft_step(cfg, tx, optim.lr_schedule(ocfg), router_bias_rate=scfg.router_bias_rate)
   metrics_dir = pathlib.Path(workdir, "sft_metrics")
-  writer = metrics.MetricsWriter(metrics_dir)
-  try:
-    state, summary = sft_lib.fit(
-      state, step, demos, scfg, seed=config.seed, writer=writer,
-      save=lambda s, force: ckpt.save(s, {}, force=force), log=print,
-    )  # fmt: skip
-  finally:
-    ckpt.close()
-    writer.close()
-  if summary["interrupted"]:
-    raise KeyboardInterrupt
+  state, summary = _fit_checkpointed(
+    sft_lib.fit, ckpt, metrics_dir, state, step, demos, scfg, seed=config.seed
+  )
   summary.pop("losses")
   logged = history(metrics_dir / "metrics.jsonl", "loss")
   if logged:  # the whole run's first and last loss, also after a resume
@@ -168,7 +160,7 @@ def _arm(config: Any, workdir: str, rcfg: Any, name: str) -> dict[str, Any]:
   """One RL run into `<workdir>/<name>` (checkpoints) and `<workdir>/<name>_metrics`."""
   from composer_jax import optim, train
   from composer_jax.rl import train as rl_train
-  from composer_jax.train import checkpoint, metrics
+  from composer_jax.train import checkpoint
 
   cfg = rl_model_config(config)
   ocfg = rl_optimizer(config, rcfg.lr, rcfg.steps, rcfg.warmup_steps, 1.0)
@@ -205,17 +197,9 @@ def _arm(config: Any, workdir: str, rcfg: Any, name: str) -> dict[str, Any]:
     f"rollouts, {rcfg.objective}/{rcfg.advantage}, lambda_feedback {rcfg.lambda_feedback} ({rcfg.divergence})"
   )
   metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
-  writer = metrics.MetricsWriter(metrics_dir)
-  try:
-    state, summary = rl_train.fit(
-      state, steps, make_envs, cfg, rcfg, writer=writer,
-      save=lambda s, force: ckpt.save(s, {}, force=force), log=print, evaluate=evaluate,
-    )  # fmt: skip
-  finally:
-    ckpt.close()
-    writer.close()
-  if summary["interrupted"]:
-    raise KeyboardInterrupt
+  state, summary = _fit_checkpointed(
+    rl_train.fit, ckpt, metrics_dir, state, steps, make_envs, cfg, rcfg, evaluate=evaluate
+  )
   summary["history"] = history(metrics_dir / "metrics.jsonl") or summary["history"]
   summary["evals"] = eval_history(metrics_dir / "metrics.jsonl") or summary["evals"]
   summary |= {
@@ -231,6 +215,26 @@ def _arm(config: Any, workdir: str, rcfg: Any, name: str) -> dict[str, Any]:
       f"{h[0]['invalid_call_rate']:.3f} -> {h[-1]['invalid_call_rate']:.3f}, {summary['seconds']:.0f}s"
     )
   return summary
+
+
+def _fit_checkpointed(
+  fit: Any, ckpt: Any, metrics_dir: pathlib.Path, *args: Any, **kw: Any
+) -> tuple[Any, dict]:
+  """`fit(*args, writer=, save=, log=print, **kw)` with metrics in `metrics_dir` and checkpoints in `ckpt`,
+  both closed afterwards; an interrupted fit (it saved first) raises KeyboardInterrupt for the pipeline."""
+  from composer_jax.train import metrics
+
+  writer = metrics.MetricsWriter(metrics_dir)
+  try:
+    state, summary = fit(
+      *args, writer=writer, save=lambda s, force: ckpt.save(s, {}, force=force), log=print, **kw
+    )
+  finally:
+    ckpt.close()
+    writer.close()
+  if summary["interrupted"]:
+    raise KeyboardInterrupt
+  return state, summary
 
 
 def history(path: pathlib.Path, key: str = "reward") -> list[dict]:
