@@ -112,7 +112,7 @@ def ideal_ns_flops(cfg: model.ModelConfig, ocfg: optim.OptimizerConfig) -> float
 
 def muon_update_flops(cfg: model.ModelConfig, ocfg: optim.OptimizerConfig, meshes, params) -> float:
   """cost_analysis FLOPs of the Muon branch's update alone (the transform `build_optimizer` uses)."""
-  tx = optim.muon_branch(ocfg, params, meshes, model_cfg=cfg)
+  tx = optim.muon_branch(cfg, ocfg, meshes, params)
   state = tx.init(params)
   return flops_of(jax.jit(tx.update).lower(params, state, params).compile())
 
@@ -292,7 +292,7 @@ def main():
   args = ap.parse_args()
 
   cfg = BENCH
-  ocfg = optim.OptimizerConfig()
+  ocfg = optim.OptimizerConfig(learning_rate=3e-4, warmup_steps=100, total_steps=10_000)
   peak = matmul_peak()
   print(f"matmul peak (2048³ fp32, best of 5): {peak / 1e9:.1f} GFLOP/s; devices {jax.devices()}", flush=True)
 
@@ -310,10 +310,10 @@ def main():
     }
     batch = jax.device_put(batch, pretrain.batch_sharding(meshes))
     sides["ours Muon"] = OursSide(
-      "ours Muon", optim.build_optimizer(ocfg, abstract, meshes, model_cfg=cfg), cfg, ocfg, meshes, batch
+      "ours Muon", optim.build_optimizer(cfg, ocfg, meshes, abstract), cfg, ocfg, meshes, batch
     )
     adamw_cfg = dataclasses.replace(ocfg, matrix_optimizer="adamw")
-    tx_adamw = optim.build_optimizer(adamw_cfg, abstract, meshes, model_cfg=cfg)
+    tx_adamw = optim.build_optimizer(cfg, adamw_cfg, meshes, abstract)
     sides["ours AdamW"] = OursSide("ours AdamW", tx_adamw, cfg, ocfg, meshes, batch)
     ns = (muon_update_flops(cfg, ocfg, meshes, sides["ours Muon"].state.params), ideal_ns_flops(cfg, ocfg))
 

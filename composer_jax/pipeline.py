@@ -209,9 +209,7 @@ def build_optimizer(ocfg: Any, cfg: ModelConfig, meshes: sharding.Meshes | None)
   """`optim.build_optimizer` for the model `cfg` (its parameter shapes, abstractly)."""
   from composer_jax import optim
 
-  return optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), meshes, model_cfg=cfg
-  )
+  return optim.build_optimizer(cfg, ocfg, meshes)
 
 
 def optimizer_config_from(config: Any) -> Any:

@@ -205,11 +205,11 @@ def test_matrix_optimizer_adamw_is_plain_adamw_on_matrices():
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
   cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=5, min_lr_ratio=1.0)
   cfg = dataclasses.replace(cfg, weight_decay=0.0, grad_clip=0.0, matrix_optimizer="adamw")
-  tx = optim.build_optimizer(cfg, params, None, model_cfg=TINY)
+  tx = optim.build_optimizer(TINY, cfg, None)
   updates, _ = tx.update(grads, tx.init(params), params)
   np.testing.assert_allclose(updates["layers"][0]["attn"]["q_b_proj"], -1e-2, rtol=1e-5)
   with pytest.raises(ValueError, match="matrix_optimizer"):
-    optim.build_optimizer(dataclasses.replace(cfg, matrix_optimizer="sgd"), params, None, model_cfg=TINY)
+    optim.build_optimizer(TINY, dataclasses.replace(cfg, matrix_optimizer="sgd"), None)
 
 
 def test_build_optimizer_step_on_model_params(meshes):
@@ -217,7 +217,7 @@ def test_build_optimizer_step_on_model_params(meshes):
   # leaves replicated (fsdp=1) and experts over 8 devices; fsdp-sharded groups are tested above.
   params = model.init(TINY, jax.random.key(0), meshes)
   cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=10)
-  tx = optim.build_optimizer(cfg, params, meshes, model_cfg=TINY)
+  tx = optim.build_optimizer(TINY, cfg, meshes)
   state = tx.init(params)
 
   @jax.jit

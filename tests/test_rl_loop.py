@@ -263,9 +263,7 @@ def test_ema_teacher_tracks_params_and_bad_settings_raise():
 
 def _state(lr=3e-3, steps=10):
   ocfg = optim.OptimizerConfig(learning_rate=lr, warmup_steps=1, total_steps=steps, weight_decay=0.0)
-  tx = optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(CFG, jax.random.key(0))), None, model_cfg=CFG
-  )
+  tx = optim.build_optimizer(CFG, ocfg, None)
   return create_state(CFG, tx, jax.random.key(1), None), tx, optim.lr_schedule(ocfg)
 
 

@@ -115,9 +115,7 @@ def _step(cfg, meshes, tx, **kwargs):
 
 def _muon_tx(cfg, meshes):
   ocfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=10, min_lr_ratio=1.0)
-  return optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), meshes, model_cfg=cfg
-  )
+  return optim.build_optimizer(cfg, ocfg, meshes)
 
 
 def test_grad_accumulation_equals_one_big_batch_and_step_metrics(meshes):

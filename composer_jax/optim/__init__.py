@@ -1,12 +1,13 @@
 """Optimizers: sharded Muon for matrices, AdamW for the rest.
 
 from composer_jax import optim
-tx = optim.build_optimizer(optim.OptimizerConfig(...), params, meshes, model_cfg=cfg)
+tx = optim.build_optimizer(model_cfg, optim.OptimizerConfig(...), meshes)
 """
 
+from composer_jax.configs import OptimizerConfig
 from composer_jax.optim.muon import ShardedMuonState, sharded_muon
 from composer_jax.optim.optimizer import (
-  OptimizerConfig,
+  abstract_params,
   build_optimizer,
   dimension_numbers,
   labels,
@@ -18,6 +19,7 @@ from composer_jax.optim.qk_clip import clip_factors, qk_clip
 __all__ = [
   "OptimizerConfig",
   "ShardedMuonState",
+  "abstract_params",
   "build_optimizer",
   "clip_factors",
   "dimension_numbers",

@@ -14,7 +14,6 @@ stacked experts to Adam and embeddings to Muon — notes/muon.md §1):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -22,31 +21,10 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from composer_jax import model, sharding
+from composer_jax.configs import OptimizerConfig
 from composer_jax.optim.muon import sharded_muon
 
 _BATCH_AXES = ("layers", "expert", "heads")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """Hyper-parameters of `build_optimizer` (one learning rate for both branches: with Moonlight's
-  0.2·sqrt(max(m, n)) scale Muon's update RMS matches AdamW's, so lr and wd transfer)."""
-
-  learning_rate: float = 3e-4  # peak of the warmup + cosine schedule
-  warmup_steps: int = 100  # linear 0 → peak
-  total_steps: int = 10_000  # cosine decay horizon (includes warmup)
-  min_lr_ratio: float = 0.1  # schedule ends at learning_rate · min_lr_ratio
-  weight_decay: float = 0.1  # decoupled, × lr; Muon matrices and Adam matrices (not norms)
-  muon_beta: float = 0.95
-  ns_steps: int = 5
-  ns_coeffs: str = "quintic"  # or "polar_express"
-  rms_scale: str = "moonlight"  # or "jordan"
-  adam_b1: float = 0.9
-  adam_b2: float = 0.95
-  adam_eps: float = 1e-8
-  grad_clip: float = 1.0  # global norm over all gradients; 0 disables
-  matrix_optimizer: str = "muon"  # "adamw": AdamW on the matrices too (the ablation / benchmark peer)
-  qk_clip_tau: float = 100.0  # QK-clip threshold on the max attention logit (Kimi K2); 0 disables
 
 
 def _rule(axes: tuple) -> MuonDimensionNumbers | None:
@@ -90,7 +68,11 @@ def _is_dn(x: Any) -> bool:
 
 
 def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
-  """Linear warmup 0 → learning_rate, then cosine to learning_rate · min_lr_ratio (both branches)."""
+  """Linear warmup 0 → learning_rate, then cosine to learning_rate · min_lr_ratio (both branches).
+
+  `cfg.total_steps` must be set (`configs.optimizer_for` fills it from the run's step count)."""
+  if cfg.total_steps is None:
+    raise ValueError("OptimizerConfig.total_steps is None: resolve it with configs.optimizer_for(cfg, steps)")
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=cfg.learning_rate,
@@ -101,11 +83,15 @@ def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 
 
 def muon_branch(
-  cfg: OptimizerConfig, params: Any, meshes: sharding.Meshes | None, *, model_cfg: model.ModelConfig
+  model_cfg: model.ModelConfig, cfg: OptimizerConfig, meshes: sharding.Meshes | None, params: Any = None
 ) -> optax.GradientTransformation:
-  """The Muon half of `build_optimizer` (None dimension numbers pass leaves through untouched)."""
+  """The Muon half of `build_optimizer` (None dimension numbers pass leaves through untouched).
+
+  `params` (arrays or ShapeDtypeStructs; default: the model's abstract shapes) pick each leaf's sharding
+  on `meshes`, by the same rule `model.init` uses."""
   shardings = None
   if meshes is not None:
+    params = abstract_params(model_cfg) if params is None else params
     shardings = sharding.param_shardings(model.logical_axes(model_cfg), params, meshes)
   return sharded_muon(
     lr_schedule(cfg),
@@ -121,19 +107,23 @@ def muon_branch(
   )
 
 
+def abstract_params(model_cfg: model.ModelConfig) -> Any:
+  """The model's parameters as ShapeDtypeStructs (no memory, no compute)."""
+  return jax.eval_shape(lambda: model.init(model_cfg, jax.random.key(0)))
+
+
 def build_optimizer(
-  cfg: OptimizerConfig, params: Any, meshes: sharding.Meshes | None, *, model_cfg: model.ModelConfig
+  model_cfg: model.ModelConfig, cfg: OptimizerConfig, meshes: sharding.Meshes | None, params: Any = None
 ) -> optax.GradientTransformation:
   """clip → partition {muon: sharded_muon, adam: adamw, frozen: set_to_zero} by logical axes.
 
-  `params` (arrays or ShapeDtypeStructs) give the shapes that pick each leaf's sharding on `meshes`
-  (the same rule `model.init` uses). `model_cfg` supplies the logical axes and the trainable mask.
-  Call the result's `init` eagerly (see `sharded_muon`).
+  `model_cfg` supplies the logical axes, the trainable mask and (abstractly) the parameter shapes;
+  `params` may give the shapes instead. Call the result's `init` eagerly (see `sharded_muon`).
   """
   if cfg.matrix_optimizer not in ("muon", "adamw"):
     raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw'; got {cfg.matrix_optimizer!r}.")
   schedule = lr_schedule(cfg)
-  muon = muon_branch(cfg, params, meshes, model_cfg=model_cfg)
+  muon = muon_branch(model_cfg, cfg, meshes, params)
   adam = optax.adamw(
     schedule,
     b1=cfg.adam_b1,

@@ -1,0 +1,426 @@
+"""The config layer: typed, frozen dataclasses are the one source of every default.
+
+  config = configs.Config()                                   # the tiny CPU run, all defaults
+  cd = configs.to_config_dict(config)                         # what experiments/*.py return
+  config = configs.from_config(cd)                            # strict: unknown keys raise ConfigError
+
+An experiment file (`experiments/composer25.py`) builds a `Config`, overriding only what differs from
+these defaults, and returns it as an `ml_collections.ConfigDict` so `--config.x.y=` flags can set any
+field. The pipeline turns it back into a `Config` before any work: an unknown key anywhere fails with
+one line that names it and the nearest valid key. Values derived from others (the optimizer's schedule
+length, the RL model) are computed here in code, never stored, so an override of their source
+propagates.
+
+Nothing in `composer_jax` is imported here but `model/config.py` (ModelConfig and RopeConfig, re-exported):
+importing it loads jax and flax through the model package, but touches no backend, so `run.py` can
+still choose the device count afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from composer_jax.model.config import ModelConfig, RopeConfig
+
+__all__ = [
+  "CodingEnvConfig",
+  "Config",
+  "ConfigError",
+  "DataConfig",
+  "DemoConfig",
+  "MeshConfig",
+  "ModelConfig",
+  "OptimizerConfig",
+  "PlanConfig",
+  "RLConfig",
+  "RopeConfig",
+  "SFTConfig",
+  "SynthConfig",
+  "TrainConfig",
+  "fingerprint",
+  "from_config",
+  "from_dict",
+  "optimizer_for",
+  "pretrain_optimizer",
+  "record",
+  "rl_model",
+  "to_config_dict",
+]
+
+
+class ConfigError(ValueError):
+  """A config that cannot run: an unknown key, a wrong type, an impossible value. One line."""
+
+
+# --- sections ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Both mesh shapes over the same devices (`sharding.build_meshes`); each must multiply to the
+  device count."""
+
+  dense: tuple[int, int, int] = (4, 1, 2)  # (replica, fsdp, context)
+  expert: tuple[int, int] = (8, 1)  # (expert, expert_fsdp)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+  """The `demo` stage: one sharded forward pass and greedy decoding."""
+
+  batch: int = 4  # divisible by replica·fsdp
+  prompt_len: int = 32  # divisible by context
+  decode_tokens: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """The pretraining corpus (`data.corpus`) and its tokenizer."""
+
+  tokenizer: str = "byte"  # "byte" (267 ids) | "bpe" (the shipped 4,096-token BPE)
+  src_dir: str | None = None  # None: this Python's standard library
+  max_files: int | None = None  # None: all files
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The pretraining loop (`train.pretrain`)."""
+
+  steps: int = 60  # ~2-4 s/step on 2 CPU cores (tiny, 8 fake devices)
+  batch_size: int = 8  # divisible by replica·fsdp
+  seq_len: int = 128  # divisible by context
+  log_every: int = 5
+  eval_every: int = 20
+  eval_batches: int = 2  # fixed validation batches (the same ones every time)
+  checkpoint_every: int = 20
+  keep_checkpoints: int = 2
+  router_bias_rate: float = 1e-3  # DeepSeek-V3 §2.1.2 bias update speed γ
+  peak_flops: float = 180e9  # for MFU: ~2 XLA:CPU cores; H100/H200 bf16 dense ~989e12
+  grad_accum: int = 1  # micro-batches per step (batch_size/grad_accum divisible by replica·fsdp)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """`optim.build_optimizer`: sharded Muon on matrices, AdamW on the rest. One learning rate for both
+  branches: with Moonlight's 0.2·sqrt(max(m, n)) scale Muon's update RMS matches AdamW's."""
+
+  learning_rate: float = 3e-3  # peak of the warmup + cosine schedule
+  warmup_steps: int = 10  # linear 0 → peak
+  total_steps: int | None = None  # cosine horizon incl. warmup; None: the run's step count
+  min_lr_ratio: float = 0.1  # schedule ends at learning_rate · min_lr_ratio
+  weight_decay: float = 0.1  # decoupled, × lr; Muon matrices and Adam matrices (not norms)
+  muon_beta: float = 0.95
+  ns_steps: int = 5
+  ns_coeffs: str = "quintic"  # or "polar_express"
+  rms_scale: str = "moonlight"  # or "jordan"
+  adam_b1: float = 0.9
+  adam_b2: float = 0.95
+  adam_eps: float = 1e-8
+  grad_clip: float = 1.0  # global norm over all gradients; 0 disables
+  matrix_optimizer: str = "muon"  # "adamw": AdamW on the matrices too (ablation / benchmark peer)
+  qk_clip_tau: float = 100.0  # QK-clip threshold on the max attention logit (Kimi K2); 0 disables
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthConfig:
+  """The `synth` stage (`synth/build.py`)."""
+
+  sources: str = "inflection"  # comma-separated `synth.sources.DEFAULT_SOURCES` names; "" none
+  local_dir: str | None = None  # a local repository (with tests) to cut tasks from as well
+  mode: str = "stub"  # "stub": body → NotImplementedError, signature kept; "remove": definition gone
+  max_tasks_per_source: int | None = 2  # None: all candidates
+  runs: int = 3  # baseline suite runs (flaky tests dropped)
+  timeout_s: float = 300.0  # per sandboxed suite run
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """The `sft` stage: warm-up of the small RL model on toy tool-use demonstrations (`rl.sft`).
+
+  ~1 s/step on 2 CPU cores. Sampled pass / invalid-call rate on fresh problems: 60 steps 0.06 / 0.23,
+  150 steps 0.45 / 0.02 (greedy 0.70), 300 steps 0.98 / 0.00 (benchmarks/RESULTS.md).
+  """
+
+  steps: int = 60
+  batch_size: int = 32
+  demos: int = 2000  # demonstrations generated once (seeded); batches sample from them
+  lr: float = 3e-3
+  warmup_steps: int = 10
+  log_every: int = 20
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 1
+  mistake_fraction: float = 0.3  # toy.demonstrations: share of demos with an invalid call + error
+  hint_fraction: float = 0.7  # of those, share followed by the hint message
+  router_bias_rate: float = 1e-3
+  eval_problems: int = 64  # fresh toy problems rolled out after SFT (sampled and greedy); 0 skips
+
+
+@dataclasses.dataclass(frozen=True)
+class CodingEnvConfig:
+  """`rl.env="coding"`: the sandboxed coding environment over the synth stage's tasks."""
+
+  output_chars: int = 2000  # tool output shown to the model, at most
+
+
+# The small one-device model of the sft and rl stages: `model` with these fields replaced.
+RL_MODEL = dict(
+  vocab_size=272,  # the byte tokenizer's 267 ids, rounded up
+  d_model=128,
+  n_layers=2,
+  first_k_dense=1,
+  n_heads=4,
+  dense_mlp_dim=256,
+  moe_mlp_dim=128,
+  n_experts=4,
+  top_k=2,
+  n_group=1,
+  topk_group=1,
+  q_lora_rank=64,
+  kv_lora_rank=64,
+  qk_nope_head_dim=32,
+  qk_rope_head_dim=16,
+  v_head_dim=32,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """The `rl` stage and `rl.loop.fit`: rollouts, objective, targeted text feedback, schedule."""
+
+  env: str = "toy"  # "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
+  # The one-command default shows the mechanics in minutes; the measured recipe in which reward rises
+  # (benchmarks/RESULTS.md): --config.sft.steps=150 --config.rl.problems_per_step=32.
+  steps: int = 20
+  problems_per_step: int = 8
+  group_size: int = 8  # rollouts per problem (one group = one problem seed)
+  objective: str = "drgrpo"  # rl.objectives.OBJECTIVES
+  advantage: str = "drgrpo"  # rl.objectives.ADVANTAGES
+  lambda_feedback: float = 0.5  # 0: RL alone
+  # "loss": + λ·D(student‖teacher) / its own token count; "advantage": λ·sg(log q − log p) joins the
+  # flagged tokens' advantages. benchmarks/RESULTS.md has what each did.
+  feedback_mode: str = "loss"
+  divergence: str = "reverse_kl"  # rl.divergence.KINDS
+  divergence_top_k: int = 0  # 0: full vocabulary
+  feedback_kinds: str = ""  # comma-separated rl.feedback.KINDS to act on; "": FeedbackRules' default
+  teacher: str = "live"  # "live": the current weights (prefix KV reused); "ema": an EMA copy
+  teacher_ema_rate: float = 0.05  # teacher ← (1 − rate)·teacher + rate·params after each step
+  dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal leave the policy loss
+  eval_every: int = 20  # the fixed problem set, at step 0 and every N steps; 0 off
+  eval_problems: int = 64
+  lr: float = 3e-4  # Muon: 1e-3 lowered the reward, 3e-4 with 32 x 8 rollouts raised it
+  warmup_steps: int = 3  # a fresh optimizer state's first steps are its largest
+  temperature: float = 1.0
+  top_k: int = 0  # sampler top-k; 0 off
+  max_turns: int = 6
+  max_turn_tokens: int = 24  # sampled tokens per assistant turn
+  cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
+  tis_cap: float = 2.0
+  seed: int = 0
+  log_every: int = 1
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 1
+  router_bias_rate: float = 1e-3
+  # R3 (arXiv 2510.11370): record the sampler's experts per token and replay them in the training forward.
+  routing_replay: bool = False
+  compare_without_feedback: bool = True  # stage rl: then the same run with lambda_feedback 0, same seeds
+  # Fields of ModelConfig replaced in `model` for the sft and rl stages (`rl_model`).
+  model: dict[str, Any] = dataclasses.field(
+    default_factory=lambda: dict(RL_MODEL), metadata={"overrides": ModelConfig}
+  )
+  coding: CodingEnvConfig = CodingEnvConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """The `plan` stage: per-device memory, collective bytes, Newton–Schulz time.
+
+  devices None plans the variant's own meshes; another count keeps fsdp, context and expert_fsdp and
+  scales replica and expert (an error when that does not divide).
+  """
+
+  devices: int | None = None
+  peak_flops: float | None = None  # FLOP/s per device for the NS time; None: train.peak_flops
+  hbm_gib: float = 141.0  # memory per device the plan is checked against (H200; H100: 80)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One run: which stages, and every section they read."""
+
+  variant: str = "tiny"
+  seed: int = 0
+  stages: str = "pretrain,synth,sft,rl"  # comma-separated, run in order; a rerun skips finished ones
+  force: str = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs moved aside
+  workdir: str | None = None  # None: run.py's --workdir, else runs/<variant>
+  mesh: MeshConfig = MeshConfig()
+  model: ModelConfig = ModelConfig()
+  demo: DemoConfig = DemoConfig()
+  train: TrainConfig = TrainConfig()
+  optim: OptimizerConfig = OptimizerConfig()
+  data: DataConfig = DataConfig()
+  synth: SynthConfig = SynthConfig()
+  sft: SFTConfig = SFTConfig()
+  rl: RLConfig = RLConfig()
+  plan: PlanConfig = PlanConfig()
+
+
+# --- derived values --------------------------------------------------------------------------------
+
+
+def optimizer_for(
+  ocfg: OptimizerConfig, steps: int, *, lr: float | None = None, warmup: int | None = None, **fields: Any
+) -> OptimizerConfig:
+  """`ocfg` with a schedule for a run of `steps` steps: `total_steps` None becomes `steps`, warm-up is cut
+  to `total_steps - 1` for very short runs (optax needs a positive decay length)."""
+  total = max(ocfg.total_steps or steps, 2)
+  warmup = ocfg.warmup_steps if warmup is None else warmup
+  lr = ocfg.learning_rate if lr is None else lr
+  return dataclasses.replace(
+    ocfg, learning_rate=lr, total_steps=total, warmup_steps=min(warmup, total - 1), **fields
+  )
+
+
+def pretrain_optimizer(config: Config) -> OptimizerConfig:
+  """The pretrain stage's optimizer: `config.optim` over `train.steps` unless `total_steps` is set."""
+  return optimizer_for(config.optim, config.train.steps)
+
+
+def rl_model(config: Config) -> ModelConfig:
+  """The small one-device model of the sft and rl stages: `config.model` with `config.rl.model`."""
+  return dataclasses.replace(config.model, **config.rl.model)
+
+
+# --- records and fingerprints ----------------------------------------------------------------------
+
+
+def plain(c: Any) -> Any:
+  """JSON-able nested dicts of a dataclass, ConfigDict or mapping (tuples become lists)."""
+  if dataclasses.is_dataclass(c) and not isinstance(c, type):
+    c = dataclasses.asdict(c)
+  elif hasattr(c, "to_dict"):
+    c = c.to_dict()
+  return json.loads(json.dumps(c, sort_keys=True, default=str))
+
+
+def record(**configs: Any) -> dict:
+  """{name: plain fields} of the configs a checkpoint or a finished stage depends on."""
+  return {name: plain(c) for name, c in configs.items()}
+
+
+def fingerprint(rec: dict) -> str:
+  """A short stable hash of a record (sorted JSON)."""
+  return hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- dataclasses <-> ConfigDict --------------------------------------------------------------------
+
+
+def _hints(cls: type) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _optional_base(tp: Any) -> Any | None:
+  """T for `T | None` (or Optional[T]); None for anything else."""
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if len(args) == 1 and len(typing.get_args(tp)) == 2:
+      return args[0]
+  return None
+
+
+def to_config_dict(config: Any) -> Any:
+  """A dataclass as a nested `ConfigDict`; unset `T | None` fields become typed placeholders, so that
+  `--config.section.field=value` can still set them."""
+  from ml_collections import ConfigDict, config_dict
+
+  out = ConfigDict()
+  hints = _hints(type(config))
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if dataclasses.is_dataclass(value):
+      out[f.name] = to_config_dict(value)
+    elif isinstance(value, dict):
+      out[f.name] = ConfigDict(value)
+    elif value is None:
+      base = _optional_base(hints[f.name])
+      out[f.name] = config_dict.placeholder(base if isinstance(base, type) else object)
+    else:
+      out[f.name] = value
+  return out
+
+
+def from_config(cd: Any) -> Config:
+  """The `Config` of an experiment's ConfigDict (or nested dict); strict (see `from_dict`)."""
+  if isinstance(cd, Config):
+    return cd
+  return from_dict(Config, plain(cd) if not isinstance(cd, Mapping) else dict(cd))
+
+
+def from_dict(cls: type, values: Mapping[str, Any], path: str = "") -> Any:
+  """`cls(**values)` with nested dataclasses built the same way; missing keys take the defaults.
+
+  Raises ConfigError on an unknown key (naming it and the nearest valid one), a value of the wrong type,
+  or a value the dataclass rejects (its own checks, e.g. ModelConfig's).
+  """
+  if hasattr(values, "to_dict"):
+    values = values.to_dict()
+  if not isinstance(values, Mapping):
+    raise ConfigError(f"{path.rstrip('.') or 'config'} must be a section (a mapping), got {values!r}")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = _hints(cls)
+  kwargs = {}
+  for key, value in values.items():
+    if key not in fields:
+      raise ConfigError(f"unknown config key '{path}{key}'{_nearest(key, list(fields), path)}")
+    overridden = fields[key].metadata.get("overrides")
+    if overridden is not None:  # a partial section: its keys must be fields of `overridden`
+      _check_keys(overridden, value, f"{path}{key}.")
+    kwargs[key] = _coerce(hints[key], value, f"{path}{key}")
+  try:
+    return cls(**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"{path.rstrip('.') or 'config'}: {e}") from e
+
+
+def _nearest(key: str, names: list[str], path: str) -> str:
+  close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+  return f"; did you mean '{path}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+  """The value as the field's type: nested dataclasses built, lists → tuples, ints → floats."""
+  base = _optional_base(tp)
+  if base is not None:
+    return None if value is None else _coerce(base, value, where)
+  if dataclasses.is_dataclass(tp):
+    return value if isinstance(value, tp) else from_dict(tp, value, f"{where}.")
+  origin = typing.get_origin(tp)
+  if origin is dict:
+    return dict(value.to_dict() if hasattr(value, "to_dict") else value)
+  if origin is tuple:
+    if not isinstance(value, list | tuple):
+      raise ConfigError(f"{where} must be a tuple, got {value!r}")
+    return tuple(value)
+  if origin is typing.Literal:
+    if value not in typing.get_args(tp):
+      raise ConfigError(f"{where}={value!r}: must be one of {', '.join(map(repr, typing.get_args(tp)))}")
+    return value
+  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if isinstance(tp, type) and tp is not Any and not isinstance(value, tp):
+    raise ConfigError(f"{where}={value!r}: expected {tp.__name__}, got {type(value).__name__}")
+  return value
+
+
+def _check_keys(cls: type, value: Any, path: str) -> None:
+  names = [f.name for f in dataclasses.fields(cls)]
+  for key in value.to_dict() if hasattr(value, "to_dict") else value:
+    if key not in names:
+      raise ConfigError(f"unknown config key '{path}{key}'{_nearest(key, names, path)}")
