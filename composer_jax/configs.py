@@ -31,6 +31,7 @@ from composer_jax.model.config import ModelConfig, RopeConfig
 
 __all__ = [
   "CodingEnvConfig",
+  "CompileConfig",
   "Config",
   "ConfigError",
   "DataConfig",
@@ -251,6 +252,16 @@ class PlanConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileConfig:
+  """The `compile` stage: the real train step compiled ahead of time for an accelerator topology (XLA:TPU
+  through libtpu runs on a CPU host), judged by the compiler's memory and cost analyses."""
+
+  topology: str = "v5p:2x2x1"  # `jax.experimental.topologies` name, e.g. v5p:4x4x4, v5p:8x8x16
+  num_slices: int = 1  # multi-slice topologies (DCN between slices)
+  step: str = "train"  # "train" (pretraining step) | "rl" (the RL step)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """One run: which stages, and every section they read."""
 
@@ -269,6 +280,7 @@ class Config:
   sft: SFTConfig = SFTConfig()
   rl: RLConfig = RLConfig()
   plan: PlanConfig = PlanConfig()
+  compile: CompileConfig = CompileConfig()
 
 
 # --- derived values --------------------------------------------------------------------------------
