@@ -1,17 +1,60 @@
-"""Entry point: flags → config → `pipeline.run`. Launch commands: experiments/composer25.py."""
+"""Entry point: flags → config → `pipeline.run`. Launch commands: experiments/composer25.py.
+
+A problem the user can fix (an unknown config key or stage, a missing config file, an unusable workdir,
+an incompatible checkpoint) ends in one line on stderr and exit status 2; an interrupt (Ctrl-C, SIGTERM)
+after the stage saved, in one line and status 130.
+"""
 
 import importlib.metadata
 import importlib.util
 import math
 import os
+import pathlib
+import signal
+import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config", "experiments/composer25.py", "Experiment file, optionally `:variant`.", lock_config=True
-)
+_DEFAULT_CONFIG = "experiments/composer25.py"
+
+
+def _fail(message: str, status: int = 2) -> None:
+  print(f"run.py: {message}", file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+def _config_problem(e: BaseException) -> str:
+  """One line for a config file that is missing or raises, or an override of a key it lacks."""
+  from composer_jax import configs
+
+  spec = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), _DEFAULT_CONFIG)
+  path = spec.split(":", 1)[0]
+  if not os.path.isfile(path):
+    return f"config file {path!r} not found (--config=FILE[:variant], e.g. --config={_DEFAULT_CONFIG})"
+  for arg in sys.argv[1:]:
+    if arg.startswith("--config."):
+      try:
+        configs.check_path(arg[len("--config.") :].split("=", 1)[0])
+      except configs.ConfigError as bad:
+        return str(bad)
+  lines = [line.strip() for line in str(e).replace("\\n", "\n").splitlines() if line.strip()]
+  return f"bad --config {spec}: {lines[-1] if lines else type(e).__name__}"
+
+
+def _define_config_flag():
+  """`--config`: ml_collections loads the file and applies `--config.x=` overrides already here, at
+  definition time, so its errors are caught here (else: a traceback at import)."""
+  try:
+    return config_flags.DEFINE_config_file(
+      "config", _DEFAULT_CONFIG, "Experiment file, optionally `:variant`.", lock_config=True
+    )
+  except (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError, ImportError) as e:
+    _fail(_config_problem(e))
+
+
+_CONFIG = _define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Outputs; default: config.workdir, else runs/<variant>.")
 _DISTRIBUTED = flags.DEFINE_bool(
   "distributed",
@@ -21,13 +64,35 @@ _DISTRIBUTED = flags.DEFINE_bool(
 )
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with config-file problems (an unknown key, a bad value, a file that is missing
+  or raises) reported in one line instead of a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(_config_problem(e) if "config file" in str(e) else str(e).splitlines()[0])
+  except (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError, ImportError) as e:
+    _fail(_config_problem(e))
+  return []
+
+
 def _cpu_only() -> bool:
-  """True when jax will run on CPU: JAX_PLATFORMS=cpu, or unset with no GPU/TPU plugin installed."""
+  """True when jax will run on CPU: JAX_PLATFORMS=cpu, or unset with no accelerator to drive.
+
+  An installed plugin is not enough: libtpu (the `tpu` extra, also used to compile for TPUs on a CPU
+  host) or a CUDA plugin may be present on a machine without the chip, where probing it would fail.
+  """
   platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
     return platforms == "cpu"
   plugins = importlib.util.find_spec("jax_plugins") or importlib.metadata.entry_points(group="jax_plugins")
-  return not (plugins or importlib.util.find_spec("libtpu"))
+  gpu = bool(plugins) and pathlib.Path("/dev/nvidiactl").exists()
+  tpu = bool(importlib.util.find_spec("libtpu")) and (
+    any(pathlib.Path("/dev").glob("accel*"))
+    or pathlib.Path("/dev/vfio").exists()
+    or "TPU_ACCELERATOR_TYPE" in os.environ
+  )
+  return not (gpu or tpu)
 
 
 def _initialize_distributed() -> int | None:
@@ -45,40 +110,84 @@ def _initialize_distributed() -> int | None:
   return None
 
 
-def main(argv):
-  del argv
-  if not flags.FLAGS["verbosity"].present:  # orbax/tfds log every file operation at INFO
-    logging.set_verbosity(logging.WARNING)
-  config = _CONFIG.value
+def _usable_workdir(path: str) -> str:
+  """Creates the workdir and checks that files can be written there (one line if not)."""
+  p = pathlib.Path(path)
+  try:
+    p.mkdir(parents=True, exist_ok=True)
+    probe = p / ".write_test"
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    _fail(f"--workdir {path} is not a writable directory ({e.strerror or e}); choose another --workdir")
+  return str(p)
+
+
+def _devices(config) -> None:
+  """Platform and device count, before any backend exists."""
   cpu = _cpu_only()
   if cpu:
     jax.config.update("jax_platforms", "cpu")  # skips probing for a TPU.
   distributed = _DISTRIBUTED.value
   if distributed is None:
     distributed = "JAX_COORDINATOR_ADDRESS" in os.environ
-  n_processes = _initialize_distributed() if distributed else 1  # before any backend exists
+  n_processes = _initialize_distributed() if distributed else 1
   if cpu:
     # One CPU device per mesh position, as tests/conftest.py does (split over the processes of a
     # multi-process CPU run); must precede backend init.
     if n_processes is None or math.prod(config.mesh.dense) % n_processes:
-      raise app.UsageError(
-        f"Several CPU processes need JAX_NUM_PROCESSES (and JAX_PROCESS_ID) set, dividing the "
-        f"{math.prod(config.mesh.dense)} devices of the mesh; got {n_processes}."
+      _fail(
+        f"several CPU processes need JAX_NUM_PROCESSES (and JAX_PROCESS_ID) set, dividing the "
+        f"{math.prod(config.mesh.dense)} devices of the mesh; got {n_processes}"
       )
     jax.config.update("jax_num_cpu_devices", math.prod(config.mesh.dense) // n_processes)
   if not jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR wins; tests share this dir.
     jax.config.update(
       "jax_compilation_cache_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax_cache")
     )
-  print(
-    f"[run] process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local "
-    f"of {jax.device_count()} {jax.default_backend()} devices",
-    flush=True,
-  )
-  from composer_jax import pipeline  # after the device count: nothing may initialise a backend earlier.
 
-  pipeline.run(config, _WORKDIR.value or config.workdir or os.path.join("runs", config.variant))
+
+def _sigterm_as_interrupt(signum, frame) -> None:
+  """Outside a training loop (which turns signals into a clean stop), SIGTERM acts like Ctrl-C."""
+  raise KeyboardInterrupt
+
+
+def main(argv):
+  del argv
+  from composer_jax import configs, console
+
+  if not flags.FLAGS["verbosity"].present:
+    console.setup()
+  signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+  try:
+    try:  # strict: any unknown key fails here, before any work
+      config = configs.from_config(_CONFIG.value)
+    except (OSError, ImportError, SyntaxError) as e:  # the file could not be loaded
+      _fail(_config_problem(e))
+    _devices(config)  # before anything may initialise a backend
+    from composer_jax import pipeline
+
+    pipeline.parse_stages(config.stages)
+    workdir = _usable_workdir(_WORKDIR.value or config.workdir or os.path.join("runs", config.variant))
+    logging.info(
+      "[run] process %d of %d: %d local of %d %s devices",
+      jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
+      jax.default_backend(),
+    )  # fmt: skip
+    pipeline.run(config, workdir)
+  except configs.ConfigError as e:
+    _fail(str(e))
+  except KeyboardInterrupt:
+    _fail("interrupted; rerun the same command to resume", 130)
+  except Exception as e:
+    from composer_jax.stages import Interrupted
+
+    if isinstance(e, Interrupted):
+      _fail(f"{e}; rerun the same command to resume", 130)
+    if type(e).__name__ == "CheckpointError":
+      _fail(str(e).replace("\n", " "))
+    raise
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

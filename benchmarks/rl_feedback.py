@@ -34,24 +34,27 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 
-from composer_jax import model, optim, pipeline, train  # noqa: E402
-from composer_jax.rl import stages as rl_stages  # noqa: E402
-from composer_jax.rl import train as rl_train  # noqa: E402
+from composer_jax import configs, optim, train  # noqa: E402
+from composer_jax.rl import batch as rl_batch_lib  # noqa: E402
+from composer_jax.rl import loop as rl_loop  # noqa: E402
+from composer_jax.rl import rollout  # noqa: E402
+from composer_jax.rl import step as rl_step  # noqa: E402
+from composer_jax.rl.envs import factories  # noqa: E402
+from composer_jax.stages import rl as rl_stage  # noqa: E402
+from composer_jax.stages import sft as sft_stage  # noqa: E402
 
 
 def experiment_config():
   spec = importlib.util.spec_from_file_location("composer25", ROOT / "experiments" / "composer25.py")
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  return mod.get_config("tiny")
+  return configs.from_config(mod.get_config("tiny"))
 
 
 def fresh_state(config, cfg, rcfg, params):
-  ocfg = rl_stages.rl_optimizer(config, rcfg.lr, rcfg.steps, rcfg.warmup_steps, 1.0)
-  tx = optim.build_optimizer(
-    ocfg, jax.eval_shape(lambda: model.init(cfg, jax.random.key(0))), None, model_cfg=cfg
-  )
-  tx = rl_train.teacher_optimizer(tx, rcfg)
+  ocfg = rl_stage.rl_optimizer(config, rcfg)
+  tx = optim.build_optimizer(cfg, ocfg, None)
+  tx = rl_step.teacher_optimizer(tx, rcfg)
   state = train.TrainState(
     step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params)
   )
@@ -64,22 +67,22 @@ def copy_params(params):
 
 def run_arm(config, cfg, rcfg, params, log):
   state, tx, schedule = fresh_state(config, cfg, rcfg, copy_params(params))
-  steps = {fb: rl_train.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
-  evaluate = functools.partial(rl_train.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
-  _, summary = rl_train.fit(state, steps, rl_train.toy_envs(rcfg), cfg, rcfg, log=log, evaluate=evaluate)
+  steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
+  evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
+  _, summary = rl_loop.fit(state, steps, factories.toy_envs(rcfg), cfg, rcfg, evaluate=evaluate)
   return summary["history"], summary["evals"]
 
 
 def step_time_ratio(config, cfg, rcfg, params, repeats=5):
   """Median seconds of the jitted step on the same batch with the teacher vs without."""
-  env_list, seeds, groups = rl_train.toy_envs(rcfg)(10_000)
-  trajs = rl_train.collect(params, cfg, env_list, seeds, jax.random.key(7), rcfg)
-  batch = rl_train.rl_batch(trajs, groups, [e.info() for e in env_list], with_feedback=True)
-  base = {k: v for k, v in batch.items() if k in rl_train._BASE_KEYS}
+  env_list, seeds, groups = factories.toy_envs(rcfg)(10_000)
+  trajs = rollout.collect(params, cfg, env_list, seeds, jax.random.key(7), rcfg)
+  batch = rl_batch_lib.rl_batch(trajs, groups, [e.info() for e in env_list], with_feedback=True)
+  base = {k: v for k, v in batch.items() if k in rl_batch_lib.BASE_KEYS}
   out = {}
   for fb, b in ((False, base), (True, batch)):
     state, tx, schedule = fresh_state(config, cfg, rcfg, copy_params(params))
-    step = rl_train.make_rl_step(
+    step = rl_step.make_rl_step(
       cfg, tx, schedule, dataclasses.replace(rcfg, lambda_feedback=0.5), with_feedback=fb
     )
     state, m = step(state, b)  # compile
@@ -105,7 +108,7 @@ def coding_check(config, cfg, params, workdir, log):
 
   src, venv = fixture_env()
   task_list = tasks.make_tasks(src, venv=venv, max_tasks=2, runs=2)
-  rcfg = rl_train.RLConfig(
+  rcfg = configs.RLConfig(
     env="coding", steps=1, problems_per_step=len(task_list), group_size=2, max_turns=3, max_turn_tokens=48,
     cache_len=4096, lambda_feedback=0.5,
   )  # fmt: skip
@@ -123,9 +126,9 @@ def coding_check(config, cfg, params, workdir, log):
     )
 
   state, tx, schedule = fresh_state(config, cfg, rcfg, copy_params(params))
-  steps = {fb: rl_train.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
+  steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
   t0 = time.perf_counter()
-  _, summary = rl_train.fit(state, steps, make, cfg, rcfg, log=log)
+  _, summary = rl_loop.fit(state, steps, make, cfg, rcfg)
   return {"tasks": [t.instance_id for t in task_list], "seconds": time.perf_counter() - t0, **summary}
 
 
@@ -202,8 +205,8 @@ def main():
   ap.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"))
   ap.add_argument("--feedback_kinds", default="", help='e.g. "unknown_tool"; "": FeedbackRules default')
   ap.add_argument("--arms", default="both", choices=("both", "alone", "feedback"))
-  ap.add_argument("--feedback_mode", default=None, choices=rl_train.FEEDBACK_MODES)
-  ap.add_argument("--teacher", default=None, choices=rl_train.TEACHERS)
+  ap.add_argument("--feedback_mode", default=None, choices=rl_step.FEEDBACK_MODES)
+  ap.add_argument("--teacher", default=None, choices=rl_step.TEACHERS)
   ap.add_argument("--objective", default=None)
   ap.add_argument("--dynamic_sampling", action="store_true")
   ap.add_argument("--warmup", type=int, default=None, help="RL lr warm-up steps")
@@ -220,19 +223,18 @@ def main():
   args = ap.parse_args()
 
   config = experiment_config()
-  if args.matrix_optimizer:
-    config.optim.matrix_optimizer = args.matrix_optimizer
-  for field in ("adam_eps", "weight_decay"):
-    if getattr(args, field) is not None:
-      config.optim[field] = getattr(args, field)
+  optim_fields = {
+    f: getattr(args, f) for f in ("matrix_optimizer", "adam_eps", "weight_decay") if getattr(args, f)
+  }
+  config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, **optim_fields))
   if args.sft_steps is not None:
-    config.sft.steps = args.sft_steps
-  cfg = rl_stages.rl_model_config(config)
+    config = dataclasses.replace(config, sft=dataclasses.replace(config.sft, steps=args.sft_steps))
+  cfg = configs.rl_model(config)
   workdir = str(pathlib.Path(args.workdir).absolute())
-  params = rl_stages.load_sft_params(workdir, cfg)
+  params = sft_stage.load_params(workdir, cfg)
   if params is None:
-    pipeline.sft(config, workdir)
-    params = rl_stages.load_sft_params(workdir, cfg)
+    sft_stage.run(config, workdir)
+    params = sft_stage.load_params(workdir, cfg)
   sft_info = (
     json.loads(pathlib.Path(workdir, "sft.json").read_text())
     if pathlib.Path(workdir, "sft.json").exists()
@@ -265,7 +267,7 @@ def main():
       return
 
   base = dataclasses.replace(
-    rl_stages.rl_config_from(config),
+    config.rl,
     steps=args.steps,
     problems_per_step=args.problems,
     group_size=args.group,
@@ -306,7 +308,7 @@ def main():
   else:
     report_evals = ""
   upd = {  # the first step of each run compiles
-    arm: statistics.median([h["update_s"] for hist in hs for h in hist[1:]] or [float("nan")])
+    arm: statistics.median([h["step_s"] for hist in hs for h in hist[1:]] or [float("nan")])
     for arm, hs in results.items()
   }
   report += [

@@ -52,6 +52,7 @@ __all__ = [
   "pretrain_optimizer",
   "record",
   "rl_model",
+  "stage_optimizer",
   "to_config_dict",
 ]
 
@@ -231,9 +232,10 @@ class RLConfig:
   # R3 (arXiv 2510.11370): record the sampler's experts per token and replay them in the training forward.
   routing_replay: bool = False
   compare_without_feedback: bool = True  # stage rl: then the same run with lambda_feedback 0, same seeds
-  # Fields of ModelConfig replaced in `model` for the sft and rl stages (`rl_model`).
+  # Fields of ModelConfig replaced in `model` for the sft and rl stages (`rl_model`). Left out of the hash
+  # (a dict has none), so an RLConfig can still be a static jit argument.
   model: dict[str, Any] = dataclasses.field(
-    default_factory=lambda: dict(RL_MODEL), metadata={"overrides": ModelConfig}
+    default_factory=lambda: dict(RL_MODEL), hash=False, metadata={"overrides": ModelConfig}
   )
   coding: CodingEnvConfig = CodingEnvConfig()
 
@@ -296,6 +298,15 @@ def optimizer_for(
   lr = ocfg.learning_rate if lr is None else lr
   return dataclasses.replace(
     ocfg, learning_rate=lr, total_steps=total, warmup_steps=min(warmup, total - 1), **fields
+  )
+
+
+def stage_optimizer(
+  ocfg: OptimizerConfig, steps: int, *, lr: float, warmup: int, min_lr_ratio: float
+) -> OptimizerConfig:
+  """`ocfg` with a stage's own learning rate and a schedule over exactly its `steps` (sft, rl)."""
+  return optimizer_for(
+    dataclasses.replace(ocfg, total_steps=None), steps, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio
   )
 
 
@@ -399,6 +410,19 @@ def from_dict(cls: type, values: Mapping[str, Any], path: str = "") -> Any:
     return cls(**kwargs)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"{path.rstrip('.') or 'config'}: {e}") from e
+
+
+def check_path(dotted: str, cls: type = Config, prefix: str = "") -> None:
+  """Raises ConfigError when `dotted` (e.g. "rl.stepz") names no field of `cls`, nested sections and
+  partial sections (`rl.model`) included; the message names the key and the nearest valid one."""
+  head, _, rest = dotted.partition(".")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  if head not in fields:
+    raise ConfigError(f"unknown config key '{prefix}{dotted}'{_nearest(head, list(fields), prefix)}")
+  hint = _hints(cls)[head]
+  tp = fields[head].metadata.get("overrides") or _optional_base(hint) or hint
+  if rest and dataclasses.is_dataclass(tp):
+    check_path(rest, tp, f"{prefix}{head}.")
 
 
 def _nearest(key: str, names: list[str], path: str) -> str:

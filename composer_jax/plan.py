@@ -480,9 +480,10 @@ def muon_work(params: list[Leaf], ns_steps: int) -> dict[str, Any]:
 
 def make_plan(config: Any) -> Plan:
   """The plan of an experiment config (`experiments/composer25.py`, its `plan` section included)."""
-  from composer_jax import pipeline  # noqa: PLC0415  (pipeline imports the stages; plan is one of them)
+  from composer_jax import configs  # noqa: PLC0415
 
-  cfg = pipeline.model_config_from(config.model)
+  typed = configs.from_config(config)  # a Config or an experiment's ConfigDict
+  cfg, config = typed.model, configs.to_config_dict(typed)
   pcfg = config.get("plan") or {}
   devices = pcfg.get("devices")
   layout = derive_layout(tuple(config.mesh.dense), tuple(config.mesh.expert), devices, cfg.n_experts)
@@ -587,8 +588,10 @@ def format_plan(plan: Plan) -> str:
 
 def run_stage(config: Any, workdir: str) -> dict[str, Any]:
   """The `plan` stage: prints the plan, writes `<workdir>/plan.json`, returns it as a dict."""
+  from absl import logging  # noqa: PLC0415
+
   plan = make_plan(config)
-  print(format_plan(plan), flush=True)
+  logging.info("[plan]\n%s", format_plan(plan))
   out = plan.to_dict()
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)

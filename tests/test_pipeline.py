@@ -3,13 +3,15 @@ rerun when its config or an upstream stage changed, started over on `force`; an 
 no marker), the end-of-run summary built from the stages' summaries, and synth → sft → rl on the coding env
 over the tasks the synth stage cut from the fixture repository of tests/test_synth_tasks.py."""
 
+import dataclasses
 import importlib.util
 import json
+import logging
 import pathlib
 
 import pytest
 
-from composer_jax import pipeline, report
+from composer_jax import pipeline, report, stages
 
 _EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
 
@@ -37,23 +39,32 @@ def fake_stages(monkeypatch):
     return fn
 
   for name, out in (("demo", "demo.json"), ("sft", "sft.json"), ("rl", "rl.json")):
-    monkeypatch.setitem(pipeline._STAGE_FNS, name, stub(name, out))
+    monkeypatch.setitem(
+      stages.REGISTRY, name, dataclasses.replace(stages.REGISTRY[name], run=stub(name, out))
+    )
   return calls
 
 
-def test_finished_stage_is_skipped_and_rerun_when_its_config_changes(tmp_path, fake_stages, capsys):
+@pytest.fixture
+def logs(caplog):
+  """The run's absl log lines (INFO and up) as text."""
+  caplog.set_level(logging.INFO)
+  return caplog
+
+
+def test_finished_stage_is_skipped_and_rerun_when_its_config_changes(tmp_path, fake_stages, logs):
   c = _config("demo")
   first = pipeline.run(c, str(tmp_path))
   second = pipeline.run(c, str(tmp_path))
   assert fake_stages == ["demo"] and second == first
-  assert "demo: finished" in capsys.readouterr().out
+  assert "demo: finished" in logs.text
+  logs.clear()
   marker = json.loads((tmp_path / "stages" / "demo.json").read_text())
   assert marker["summary"]["loss"] == 4.0 and marker["config"]["demo"]["batch"] == 4
 
   c.demo.batch = 8
   assert pipeline.run(c, str(tmp_path))["demo"]["loss"] == 8.0
-  out = capsys.readouterr().out
-  assert fake_stages == ["demo", "demo"] and "demo.batch: 4 -> 8" in out
+  assert fake_stages == ["demo", "demo"] and "demo.batch: 4 -> 8" in logs.text
   (previous,) = (tmp_path / "stages" / "previous").iterdir()  # the old outputs, moved aside, not deleted
   assert sorted(p.name for p in previous.iterdir()) == ["demo.json", "marker.json"]
 
@@ -78,10 +89,11 @@ def test_rerunning_an_upstream_stage_reruns_the_stages_that_read_it(tmp_path, fa
 
 def test_interrupted_stage_leaves_no_marker_and_keeps_the_finished_ones(tmp_path, fake_stages, monkeypatch):
   def interrupted(config, workdir):
-    return {"interrupted": True}  # what pretrain returns after Ctrl-C (it saved a checkpoint)
+    raise stages.Interrupted("pretrain stopped at step 3")  # what a stage does on Ctrl-C, after saving
 
-  monkeypatch.setitem(pipeline._STAGE_FNS, "pretrain", interrupted)
-  with pytest.raises(KeyboardInterrupt):
+  pretrain = dataclasses.replace(stages.REGISTRY["pretrain"], run=interrupted)
+  monkeypatch.setitem(stages.REGISTRY, "pretrain", pretrain)
+  with pytest.raises(stages.Interrupted):
     pipeline.run(_config("demo,pretrain,sft"), str(tmp_path))
   assert sorted(p.name for p in (tmp_path / "stages").glob("*.json")) == ["demo.json"]
   assert list(json.loads((tmp_path / "summary.json").read_text())["stages"]) == ["demo"]
@@ -154,7 +166,7 @@ _TINY_RL = dict(d_model=32, n_heads=2, dense_mlp_dim=64, moe_mlp_dim=16, q_lora_
                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
 
 
-def test_synth_sft_rl_on_coding_tasks_then_all_skipped(tmp_path, monkeypatch, capsys):
+def test_synth_sft_rl_on_coding_tasks_then_all_skipped(tmp_path, monkeypatch, logs):
   from test_synth_tasks import fixture_env
 
   from composer_jax.synth import build, sandbox
@@ -182,11 +194,11 @@ def test_synth_sft_rl_on_coding_tasks_then_all_skipped(tmp_path, monkeypatch, ca
   assert (tmp_path / "rl" / "1").exists() and len(list((tmp_path / "rl_episodes").iterdir())) == 1
   rep = json.loads((tmp_path / "summary.json").read_text())
   assert rep["stages"]["synth"]["tasks"] == 1 and rep["stages"]["rl"]["reward"]["first"] == h["reward"]
-  assert "starting from the SFT checkpoint" in capsys.readouterr().out
+  assert "starting from the SFT checkpoint" in logs.text
+  logs.clear()
 
   again = pipeline.run(c, str(tmp_path))  # everything finished: nothing recomputed
-  printed = capsys.readouterr().out
-  assert printed.count("with this config: skipped") == 3 and again == json.loads(json.dumps(out))
+  assert logs.text.count("with this config: skipped") == 3 and again == json.loads(json.dumps(out))
   assert json.loads((tmp_path / "summary.json").read_text())["seconds_this_run"] == 0
 
 
@@ -218,7 +230,7 @@ def test_synth_rebuild_reuses_finished_pypi_sources(tmp_path, monkeypatch):
 
 def test_rl_history_keeps_training_steps_and_evaluations_apart(tmp_path):
   """An evaluation written at step s must not replace step s's training record (and vice versa)."""
-  from composer_jax.rl import stages
+  from composer_jax.stages import rl
   from composer_jax.train import metrics
 
   w = metrics.MetricsWriter(tmp_path)
@@ -230,9 +242,9 @@ def test_rl_history_keeps_training_steps_and_evaluations_apart(tmp_path):
   w.write(3, {"loss": 0.4})  # an SFT record: neither a training step of RL nor an evaluation
   w.close()
   path = tmp_path / "metrics.jsonl"
-  assert [(r["step"], r["reward"]) for r in stages.history(path)] == [(1, 0.1), (2, 0.7)]
-  assert stages.history(path, "loss") == [dict(step=3, loss=0.4)]
-  assert stages.eval_history(path) == [
+  assert [(r["step"], r["reward"]) for r in metrics.read_history(path, "reward")] == [(1, 0.1), (2, 0.7)]
+  assert metrics.read_history(path, "loss") == [dict(step=3, loss=0.4)]
+  assert rl.eval_history(path) == [
     dict(step=0, reward=0.25, invalid_call_rate=0.1),
     dict(step=2, reward=0.5, invalid_call_rate=0.05),
   ]

@@ -1,7 +1,7 @@
 """The scale planner against XLA's compiled memory analysis, hand-computed collectives, mesh derivation.
 
 One compile: the tiny variant's real train step (`pretrain.make_train_step` with the optimizer of
-`pipeline.build_optimizer`, as the pretrain stage builds it), lowered from abstract state on the
+`optim.build_optimizer`, as the pretrain stage builds it), lowered from abstract state on the
 8 CPU devices; the persistent compilation cache makes reruns cheap.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from optax.contrib import MuonDimensionNumbers
 
-from composer_jax import model, optim, pipeline, plan, sharding
+from composer_jax import configs, model, optim, plan, sharding
 from composer_jax.model.config import ModelConfig
 from composer_jax.optim import muon as muon_lib
 from composer_jax.optim import newton_schulz
@@ -58,11 +58,10 @@ def _abstract_state(cfg: ModelConfig, tx, meshes: sharding.Meshes) -> TrainState
 def tiny_compiled():
   """(plan of the tiny variant, memory_analysis of its compiled train step)."""
   config = _config("tiny")
-  cfg = pipeline.model_config_from(config.model)
-  ocfg = pipeline.optimizer_config_from(config)
-  tcfg = pt.TrainConfig(**config.train.to_dict())
+  typed = configs.from_config(config)
+  cfg, ocfg, tcfg = typed.model, configs.pretrain_optimizer(typed), typed.train
   meshes = sharding.make_meshes(config)
-  tx = pipeline.build_optimizer(ocfg, cfg, meshes)
+  tx = optim.build_optimizer(cfg, ocfg, meshes)
   state = _abstract_state(cfg, tx, meshes)
   step = pt.make_train_step(
     cfg, tx, optim.lr_schedule(ocfg), jax.tree.map(lambda x: x.sharding, state), meshes,
@@ -183,7 +182,7 @@ def test_full_scale_plans_run(variant, params_b, tmp_path):
   out = plan.run_stage(config, str(tmp_path))
   assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(json.dumps(out))
   assert out["params_total"] / 1e9 == pytest.approx(params_b, abs=0.01)
-  cfg = pipeline.model_config_from(config.model)
+  cfg = configs.from_config(config).model
   m = out["muon"]
   assert m["ns_flops_total"] == _ideal_ns_flops(cfg, config.optim.ns_steps)
   devices = out["layout"]["dense"][0] * out["layout"]["dense"][1] * out["layout"]["dense"][2]

@@ -8,11 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from composer_jax import model, optim
+from composer_jax import configs, model, optim, rl
 from composer_jax.model import ModelConfig, RopeConfig
+from composer_jax.rl import batch as rl_batch_lib
 from composer_jax.rl import chat, feedback, sft
-from composer_jax.rl import train as rl_train
-from composer_jax.rl.envs import toy
+from composer_jax.rl import loop as rl_loop
+from composer_jax.rl import loss as rl_loss_lib
+from composer_jax.rl import step as rl_step
+from composer_jax.rl.envs import factories, toy
 from composer_jax.train.state import create_state
 
 TOK = chat.BYTE_TOKENIZER
@@ -40,7 +43,7 @@ CFG = ModelConfig(
   expert_impl="blocked",
   rope=RopeConfig(theta=10000.0),
 )
-RC = rl_train.RLConfig(
+RC = configs.RLConfig(
   steps=1,
   problems_per_step=2,
   group_size=2,
@@ -59,29 +62,29 @@ def params():
 def _wrong_then_right(prob_seed: int) -> chat.Trajectory:
   """A toy rollout with an unknown tool in turn 1 (detected), then a valid call; logprobs -1."""
   env = toy.ToyEnv()
-  traj = rl_train.envs.begin(env, prob_seed)
+  traj = rl.envs.begin(env, prob_seed)
   p = env.problem
   op, a, b, _ = p.steps[0]
   for call in [("sum", str(a), str(b)), (op, str(a), str(b))]:
     ids = chat.assistant_ids(call=call)
-    rl_train.envs.advance(env, traj, ids, [-1.0] * len(ids))
-  return rl_train.envs.finish(env, traj)
+    rl.envs.advance(env, traj, ids, [-1.0] * len(ids))
+  return rl.envs.finish(env, traj)
 
 
 def _batch(trajs, with_feedback=True):
   infos = [toy.ToyEnv().info()] * len(trajs)
-  b = rl_train.rl_batch(trajs, list(range(len(trajs))), infos, with_feedback=with_feedback)
+  b = rl_batch_lib.rl_batch(trajs, list(range(len(trajs))), infos, with_feedback=with_feedback)
   return {k: jnp.asarray(v) for k, v in b.items()}
 
 
 def test_prefix_kv_teacher_equals_fresh_forward(params):
   # Row 1 has no mistake: the teacher runs on the flagged rows (0 and 2) only.
   env = toy.ToyEnv()
-  clean = rl_train.envs.begin(env, 4)
+  clean = rl.envs.begin(env, 4)
   op, a, b, _ = env.problem.steps[0]
   ids = chat.assistant_ids(call=(op, str(a), str(b)))
-  rl_train.envs.advance(env, clean, ids, [-1.0] * len(ids))
-  trajs = [_wrong_then_right(3), rl_train.envs.finish(env, clean), _wrong_then_right(11)]
+  rl.envs.advance(env, clean, ids, [-1.0] * len(ids))
+  trajs = [_wrong_then_right(3), rl.envs.finish(env, clean), _wrong_then_right(11)]
   batch = _batch(trajs)
   assert batch["fb_rows"].shape[0] == 4 and list(np.asarray(batch["fb_rows"][:2])) == [0, 2]
   assert list(np.asarray(batch["teacher_lengths"][2:])) == [0, 0]  # bucket padding
@@ -89,12 +92,12 @@ def test_prefix_kv_teacher_equals_fresh_forward(params):
 
   @jax.jit
   def run(params, batch):
-    logits_BTV, aux = rl_train.student_forward(params, CFG, batch, L)
+    logits_BTV, aux = rl_loss_lib.student_forward(params, CFG, batch, L)
     plain_BTV, _ = model.apply(
       params, CFG, batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"]
     )
-    t_FNV = rl_train.teacher_logits(params, CFG, aux["cache"], batch)
-    return logits_BTV, plain_BTV, t_FNV, rl_train.student_feedback_logits(logits_BTV, batch)
+    t_FNV = rl_loss_lib.teacher_logits(params, CFG, aux["cache"], batch)
+    return logits_BTV, plain_BTV, t_FNV, rl_loss_lib.student_feedback_logits(logits_BTV, batch)
 
   logits_BTV, plain_BTV, t_FNV, s_FNV = map(np.asarray, run(params, batch))
   m = np.asarray(batch["segment_ids"]) > 0
@@ -114,7 +117,7 @@ def test_prefix_kv_teacher_equals_fresh_forward(params):
 
 def _loss_terms(params, batch, lam=1.0, **kw):
   rc = dataclasses.replace(RC, lambda_feedback=lam, **kw)
-  loss, (m, _) = jax.jit(lambda p, b: rl_train.rl_loss(p, CFG, b, rc, True))(params, batch)
+  loss, (m, _) = jax.jit(lambda p, b: rl_loss_lib.rl_loss(p, CFG, b, rc, True))(params, batch)
   return loss, m
 
 
@@ -154,8 +157,8 @@ def test_feedback_gradient_only_via_student_on_turn_k(params):
 
   @jax.jit
   def both(p):
-    logits, aux = rl_train.student_forward(p, CFG, batch, L)
-    return logits, aux["cache"], rl_train.teacher_logits(p, CFG, aux["cache"], batch)
+    logits, aux = rl_loss_lib.student_forward(p, CFG, batch, L)
+    return logits, aux["cache"], rl_loss_lib.teacher_logits(p, CFG, aux["cache"], batch)
 
   logits, cache, t_logits = both(params)
 
@@ -163,8 +166,8 @@ def test_feedback_gradient_only_via_student_on_turn_k(params):
   @jax.jit
   def via_teacher(p, kv):
     c = {**cache, **kv}
-    s_FNV = rl_train.student_feedback_logits(logits, batch)
-    s, n = rl_train.feedback_loss(s_FNV, rl_train.teacher_logits(p, CFG, c, batch), batch["fb_mask"])
+    s_FNV = rl_loss_lib.student_feedback_logits(logits, batch)
+    s, n = rl_loss_lib.feedback_loss(s_FNV, rl_loss_lib.teacher_logits(p, CFG, c, batch), batch["fb_mask"])
     return s / n
 
   kv = {"latent": cache["latent"], "k_rope": cache["k_rope"]}
@@ -173,7 +176,9 @@ def test_feedback_gradient_only_via_student_on_turn_k(params):
 
   # Only turn k's columns of the student contribute, and the hint changes the teacher (loss > 0).
   def on_logits(lg):
-    s, n = rl_train.feedback_loss(rl_train.student_feedback_logits(lg, batch), t_logits, batch["fb_mask"])
+    s, n = rl_loss_lib.feedback_loss(
+      rl_loss_lib.student_feedback_logits(lg, batch), t_logits, batch["fb_mask"]
+    )
     return s / n
 
   assert float(on_logits(logits)) > 0
@@ -190,10 +195,10 @@ def test_feedback_advantage_is_sampled_token_log_ratio(params):
   trajs = [_wrong_then_right(13)]
   batch = _batch(trajs)
   L = batch["teacher_tokens"].shape[1]
-  logits, aux = jax.jit(lambda p: rl_train.student_forward(p, CFG, batch, L))(params)
-  t_FNV = rl_train.teacher_logits(params, CFG, aux["cache"], batch)
-  logp_BT = rl_train.token_logp(logits, batch["tokens"])
-  adv_BT = np.asarray(rl_train.feedback_advantages(t_FNV, logp_BT, batch, 0.5))
+  logits, aux = jax.jit(lambda p: rl_loss_lib.student_forward(p, CFG, batch, L))(params)
+  t_FNV = rl_loss_lib.teacher_logits(params, CFG, aux["cache"], batch)
+  logp_BT = rl_loss_lib.token_logp(logits, batch["tokens"])
+  adv_BT = np.asarray(rl_loss_lib.feedback_advantages(t_FNV, logp_BT, batch, 0.5))
   k, kind = feedback.detect(trajs[0], toy.ToyEnv().info())[0]
   ti = feedback.teacher_inputs(trajs[0], k, feedback.hint_ids(feedback.hint_for(kind, toy.ToyEnv().info())))
   fresh = np.asarray(jax.nn.log_softmax(model.apply(params, CFG, jnp.asarray(ti.tokens)[None])[0][0], -1))
@@ -208,10 +213,10 @@ def test_feedback_advantage_is_sampled_token_log_ratio(params):
 def test_lambda_zero_or_no_detection_gives_exactly_zero(params):
   trajs = [_wrong_then_right(9)]
   batch = dict(_batch(trajs))
-  base, _ = jax.jit(lambda p, b: rl_train.rl_loss(p, CFG, b, RC, False))(params, batch)
-  for mode in rl_train.FEEDBACK_MODES:
+  base, _ = jax.jit(lambda p, b: rl_loss_lib.rl_loss(p, CFG, b, RC, False))(params, batch)
+  for mode in rl_step.FEEDBACK_MODES:
     rc0 = dataclasses.replace(RC, lambda_feedback=0.0, feedback_mode=mode)
-    with_fb = jax.jit(lambda p, b, rc0=rc0: rl_train.rl_loss(p, CFG, b, rc0, True))
+    with_fb = jax.jit(lambda p, b, rc0=rc0: rl_loss_lib.rl_loss(p, CFG, b, rc0, True))
     loss0, (m0, _) = with_fb(params, batch)
     assert float(m0["feedback_kl"][0]) > 0 and float(loss0) == pytest.approx(float(base), abs=1e-6), mode
     no_fb = dict(batch, fb_mask=jnp.zeros_like(batch["fb_mask"]))  # no detected turn
@@ -227,7 +232,7 @@ def test_dynamic_sampling_drops_all_equal_groups(params):
     "rewards": jnp.asarray([1.0, 0.0, 1.0, 1.0], jnp.float32),  # group 1 has no signal
   }
   rc = dataclasses.replace(RC, dynamic_sampling=True, objective="dapo")
-  _, (m, _) = jax.jit(lambda p, b: rl_train.rl_loss(p, CFG, b, rc, False))(params, batch)
+  _, (m, _) = jax.jit(lambda p, b: rl_loss_lib.rl_loss(p, CFG, b, rc, False))(params, batch)
   assert float(m["kept_rollouts"][0]) == 2.0
   n_tokens = float(np.sum(np.asarray(batch["loss_mask"])[:2]))
   assert float(m["policy_loss"][1]) == n_tokens  # DAPO's token count covers group 0 only
@@ -237,9 +242,9 @@ def test_ema_teacher_tracks_params_and_bad_settings_raise():
   # No router-bias nudge: the EMA follows the optimizer's update, the bias moves after it.
   rc = dataclasses.replace(RC, teacher="ema", teacher_ema_rate=0.5, router_bias_rate=0.0)
   _, tx, schedule = _state()
-  tx = rl_train.teacher_optimizer(tx, rc)
+  tx = rl_step.teacher_optimizer(tx, rc)
   state = create_state(CFG, tx, jax.random.key(1), None)
-  step = rl_train.make_rl_step(CFG, tx, schedule, rc, with_feedback=True)
+  step = rl_step.make_rl_step(CFG, tx, schedule, rc, with_feedback=True)
   batch = _batch([_wrong_then_right(31), _wrong_then_right(32)])
   before = jax.tree.map(np.asarray, state.params)
   state, m = step(state, batch)
@@ -254,9 +259,9 @@ def test_ema_teacher_tracks_params_and_bad_settings_raise():
     np.testing.assert_allclose(np.asarray(t), 0.5 * old + 0.5 * np.asarray(new), rtol=1e-5, atol=1e-7)
   with pytest.raises(ValueError, match="teacher_optimizer"):
     plain_state, plain_tx, _ = _state()
-    rl_train.make_rl_step(CFG, plain_tx, schedule, rc, with_feedback=True)(plain_state, batch)
+    rl_step.make_rl_step(CFG, plain_tx, schedule, rc, with_feedback=True)(plain_state, batch)
   with pytest.raises(ValueError, match="feedback_mode"):
-    rl_train.make_rl_step(
+    rl_step.make_rl_step(
       CFG, tx, schedule, dataclasses.replace(RC, feedback_mode="bogus"), with_feedback=True
     )
 
@@ -281,8 +286,8 @@ def test_sft_steps_lower_the_loss():
 
 def test_one_rl_step_end_to_end_and_env_failure_marks_rollout():
   state, tx, schedule = _state()
-  steps = {fb: rl_train.make_rl_step(CFG, tx, schedule, RC, with_feedback=fb) for fb in (False, True)}
-  base = rl_train.toy_envs(RC)
+  steps = {fb: rl_step.make_rl_step(CFG, tx, schedule, RC, with_feedback=fb) for fb in (False, True)}
+  base = factories.toy_envs(RC)
 
   class Exploding(toy.ToyEnv):
     def step(self, call):
@@ -293,9 +298,8 @@ def test_one_rl_step_end_to_end_and_env_failure_marks_rollout():
     env_list[0] = Exploding(env_list[0].cfg)
     return env_list, seeds, groups
 
-  logs = []
-  state, summary = rl_train.fit(state, steps, make, CFG, RC, log=logs.append)
-  assert summary["failed_steps"] == 0 and len(summary["history"]) == 1 and int(state.step) == 1, logs
+  state, summary = rl_loop.fit(state, steps, make, CFG, RC)
+  assert summary["failed_steps"] == 0 and len(summary["history"]) == 1 and int(state.step) == 1, summary
   h = summary["history"][0]
   assert h["failed_rollouts"] >= 1
   for k in ("reward", "invalid_call_rate", "entropy", "clip_frac", "logp_abs_diff", "feedback_kl", "loss"):

@@ -18,10 +18,13 @@ import optax
 import pytest
 from test_model import random_params
 
-from composer_jax import model
+from composer_jax import configs, model
 from composer_jax.model import ModelConfig, RopeConfig
-from composer_jax.rl import chat
-from composer_jax.rl import train as rl_train
+from composer_jax.rl import batch as rl_batch_lib
+from composer_jax.rl import chat, rollout
+from composer_jax.rl import loss as rl_loss_lib
+from composer_jax.rl import step as rl_step
+from composer_jax.rl.envs import factories
 from composer_jax.train.state import TrainState
 
 CFG = ModelConfig(
@@ -45,7 +48,7 @@ CFG = ModelConfig(
   max_position_embeddings=512,
   rope=RopeConfig(theta=10000.0),
 )
-RC = rl_train.RLConfig(
+RC = configs.RLConfig(
   steps=1,
   problems_per_step=2,
   group_size=2,
@@ -133,15 +136,15 @@ def test_rejects_routed_experts_of_the_wrong_shape(params, tokens_BT):
 @pytest.fixture(scope="module")
 def collected(params):
   """Greedy toy rollouts (2 turns: extend, decode, observation, extend, decode) with routing recorded."""
-  env_list, seeds, groups = rl_train.toy_envs(RC)(1)
-  return rl_train.collect(params, CFG, env_list, seeds, jax.random.key(0), RC), groups
+  env_list, seeds, groups = factories.toy_envs(RC)(1)
+  return rollout.collect(params, CFG, env_list, seeds, jax.random.key(0), RC), groups
 
 
 def test_collect_records_what_the_training_forward_chooses(params, collected):
   """Every fed token's recorded experts equal the full forward's choice over the finished trajectory;
   the only -1 rows are the tail appended after the last decode (never fed to the sampler)."""
   trajs, groups = collected
-  batch = rl_train.rl_batch(trajs, groups)
+  batch = rl_batch_lib.rl_batch(trajs, groups)
   routed_BTLK = batch["routed_experts"]
   assert routed_BTLK.shape == (*batch["tokens"].shape, CFG.n_moe_layers, CFG.top_k)
   full_LBTK = np.asarray(
@@ -172,9 +175,9 @@ def test_one_rl_step_with_routing_replay(params, collected):
   """The replayed loss equals the self-routed one (the recorded routing is the model's own here) and
   one jitted update runs with finite numbers; without recorded experts the step refuses."""
   trajs, groups = collected
-  batch = {k: jnp.asarray(v) for k, v in rl_train.rl_batch(trajs, groups).items()}
+  batch = {k: jnp.asarray(v) for k, v in rl_batch_lib.rl_batch(trajs, groups).items()}
   plain = dataclasses.replace(RC, routing_replay=False)
-  loss = jax.jit(lambda p, b, rc: rl_train.rl_loss(p, CFG, b, rc, False)[0], static_argnums=2)
+  loss = jax.jit(lambda p, b, rc: rl_loss_lib.rl_loss(p, CFG, b, rc, False)[0], static_argnums=2)
   np.testing.assert_allclose(float(loss(params, batch, RC)), float(loss(params, batch, plain)), rtol=1e-6)
   # One update (plain SGD: this checks the replaying step, not the optimizer), with rewards that differ
   # within each group so the policy gradient is not zero.
@@ -182,12 +185,14 @@ def test_one_rl_step_with_routing_replay(params, collected):
   tx = optax.sgd(1e-2)
   fresh = jax.tree.map(jnp.copy, params)  # the step donates its state
   state = TrainState(step=jnp.zeros((), jnp.int32), params=fresh, opt_state=tx.init(fresh))
-  step = rl_train.make_rl_step(CFG, tx, optax.constant_schedule(1e-2), RC, with_feedback=False)
+  step = rl_step.make_rl_step(CFG, tx, optax.constant_schedule(1e-2), RC, with_feedback=False)
   state, m = step(state, batch)
   assert int(state.step) == 1 and int(m["skipped"]) == 0
   assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
   with pytest.raises(ValueError, match="routing_replay"):
-    rl_train.rl_loss(params, CFG, {k: v for k, v in batch.items() if k != "routed_experts"}, RC, False)
+    rl_loss_lib.rl_loss(params, CFG, {k: v for k, v in batch.items() if k != "routed_experts"}, RC, False)
   unrecorded = chat.Trajectory()
   unrecorded.add_prompt([1, 2], chat.USER)
-  assert unrecorded.routed_experts is None and "routed_experts" not in rl_train.rl_batch([unrecorded], [0])
+  assert unrecorded.routed_experts is None and "routed_experts" not in rl_batch_lib.rl_batch(
+    [unrecorded], [0]
+  )

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
-from composer_jax import model, pipeline, sharding
+from composer_jax import configs, model, sharding
 from composer_jax.train import metrics
 from composer_jax.train import pretrain as pt
 
@@ -54,7 +54,7 @@ def _axis_size(mesh, axis) -> int:
 
 def _layout(config):
   """(abstract meshes, [(path, shape, logical axes, NamedSharding)] of every parameter)."""
-  cfg = pipeline.model_config_from(config.model)
+  cfg = configs.from_config(config).model
   meshes = _abstract_meshes(config)
   abstract = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
   axes = jax.tree_util.tree_leaves_with_path(model.logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))

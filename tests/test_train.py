@@ -5,8 +5,10 @@ End-to-end runs go through `pipeline.run` with a two-layer model on a fake corpu
 
 import dataclasses
 import importlib.util
+import os
 import pathlib
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -172,14 +174,14 @@ def test_unknown_config_key_is_an_error():
 
 
 class _Batches:
-  """Stands in for the data iterator: counts batches, raises KeyboardInterrupt on batch `stop_at`."""
+  """Stands in for the data iterator: counts batches, signals this process while reading `stop_at`."""
 
-  def __init__(self, stop_at: int):
-    self.index, self.stop_at = 0, stop_at
+  def __init__(self, stop_at: int, signum: int):
+    self.index, self.stop_at, self.signum = 0, stop_at, signum
 
   def __next__(self):
     if self.index + 1 == self.stop_at:
-      raise KeyboardInterrupt
+      os.kill(os.getpid(), self.signum)
     self.index += 1
     return {k: np.zeros((1, 2), np.int32) for k in ("tokens", "segment_ids", "positions")}
 
@@ -187,8 +189,10 @@ class _Batches:
     return {"index": self.index}
 
 
-def test_ctrl_c_saves_after_the_last_finished_step(tmp_path):
-  """The loop alone (step functions faked): Ctrl-C → one final save of step 3 with data state 3."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_finishes_the_step_in_flight_then_saves(tmp_path, signum):
+  """The loop alone (step functions faked): a signal while batch 4 is read → step 4 finishes, then one
+  final save of step 4 with data state 4, metrics of steps 1-4 on disk, and the handlers restored."""
 
   def train_step(state, batch):
     del batch
@@ -203,11 +207,13 @@ def test_ctrl_c_saves_after_the_last_finished_step(tmp_path):
   def save(s, data_state, force):
     saves.append((int(s.step), data_state, force))
 
+  handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
   state, summary = pt.fit(
-    state, train_step, lambda p, b: (jnp.ones(()), jnp.ones(())), _Batches(stop_at=4), [], tcfg,
-    meshes=None, writer=writer, save=save, log=lambda _: None,
+    state, train_step, lambda p, b: (jnp.ones(()), jnp.ones(())), _Batches(stop_at=4, signum=signum), [],
+    tcfg, meshes=None, writer=writer, save=save,
   )  # fmt: skip
   writer.close()
-  assert summary["interrupted"] and summary["steps"] == 3
-  assert saves == [(2, {"index": 2}, False), (3, {"index": 3}, True)]
-  assert [m["step"] for m in train.metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+  assert summary["interrupted"] and summary["steps"] == 4 and int(state.step) == 4
+  assert saves == [(2, {"index": 2}, False), (4, {"index": 4}, False), (4, {"index": 4}, True)]
+  assert [m["step"] for m in train.metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers

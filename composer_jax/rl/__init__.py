@@ -1,5 +1,9 @@
 """RL on multi-turn tool rollouts: turn format, sampler, environments, objectives, text feedback.
 
+The data flow, one module each: `rollout` (KV-cache sampler, lockstep over turns) → `batch` (padded
+arrays + the teacher's inputs for flagged turns) → `loss` (objective + targeted feedback) → `step` (the
+jitted, guarded update) → `loop` (`train.loop` with RL hooks). `sft` warms the model up first.
+
   from composer_jax import rl
   traj = rl.envs.rollout(rl.envs.toy.ToyEnv(), seed, act)           # chat.Trajectory, never raises
   batch = rl.to_arrays(trajs, pad_to=256)                            # padded numpy batch
@@ -7,18 +11,17 @@
     t = rl.feedback.teacher_inputs(traj, k, rl.feedback.hint_ids(rl.feedback.hint_for(kind, env.info())))
   rl.feedback_loss(student_logits, teacher_logits, mask, kind="reverse_kl")   # -> (sum, count)
   rl.policy_loss(logp, old_logp, adv, mask, objective="drgrpo")               # -> (sum, count)
-  rl.sft.fit(...), rl.train.fit(...)        # SFT warm-up and the RL loop (pipeline stages sft, rl)
+  rl.sft.fit(...), rl.loop.fit(...)         # SFT warm-up and the RL loop (stages sft, rl)
 
 `rl.envs` (toy and coding environments) is a subpackage, imported on use: the coding env pulls in synth.
 """
 
-from composer_jax.rl import chat, feedback, sft, train
+from composer_jax.configs import RLConfig, SFTConfig
+from composer_jax.rl import chat, feedback, sft
 from composer_jax.rl.chat import ParseError, ToolCall, Trajectory, parse_tool_call, to_arrays
 from composer_jax.rl.divergence import feedback_loss
 from composer_jax.rl.feedback import FeedbackRules, detect, hint_for, teacher_inputs
 from composer_jax.rl.objectives import advantages, policy_loss
-from composer_jax.rl.sft import SFTConfig
-from composer_jax.rl.train import RLConfig
 
 __all__ = [
   "FeedbackRules",
@@ -38,5 +41,4 @@ __all__ = [
   "sft",
   "teacher_inputs",
   "to_arrays",
-  "train",
 ]

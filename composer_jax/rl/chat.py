@@ -187,7 +187,7 @@ class Trajectory:
   status: str = COMPLETED
   reason: str = ""
   info: dict = dataclasses.field(default_factory=dict)
-  # Routing replay (rl.train.collect with routing_replay): the sampler's experts per token,
+  # Routing replay (rl.rollout.collect with routing_replay): the sampler's experts per token,
   # [len(tokens), MoE layers, top_k] int, -1 where unknown; None when not recorded.
   routed_experts: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 

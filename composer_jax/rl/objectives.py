@@ -23,21 +23,12 @@ do not dilute the mean. The loss is to be minimised (it is the negated objective
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-ADVANTAGE_KINDS = ("grpo", "drgrpo", "rloo")
-OBJECTIVES = ("grpo", "drgrpo", "dapo", "cispo", "gspo")
-
-# (ε_low, ε_high) per objective. CISPO: lower bound off (MiniMax-M1 §3.1 sets ε_low large), upper
-# truncation 1 + 4 = 5 in the spirit of ScaleRL's ε_max (from memory, verify before tuning).
-_DEFAULT_EPS = {
-  "grpo": (0.2, 0.2),
-  "drgrpo": (0.2, 0.2),
-  "dapo": (0.2, 0.28),
-  "cispo": (1.0, 4.0),
-  "gspo": (3e-4, 4e-4),
-}
 _LOG_RATIO_CLAMP = 20.0
 
 
@@ -59,6 +50,21 @@ def groups_with_signal(rewards_B: jax.Array, group_ids_B: jax.Array) -> jax.Arra
   return (hi_G > lo_G)[idx_B]
 
 
+def _grpo(centred_B: jax.Array, n_B: jax.Array, idx_B: jax.Array, eps: float) -> jax.Array:
+  B = centred_B.shape[0]
+  var_B = jax.ops.segment_sum(centred_B * centred_B, idx_B, num_segments=B)[idx_B] / jnp.maximum(n_B - 1, 1)
+  return centred_B / (jnp.sqrt(var_B) + eps)
+
+
+# Group-relative advantage from the centred reward r - mean_g, the group size n and the group index.
+ADVANTAGES: dict[str, Callable[..., jax.Array]] = {
+  "grpo": _grpo,
+  "drgrpo": lambda centred_B, n_B, idx_B, eps: centred_B,
+  "rloo": lambda centred_B, n_B, idx_B, eps: centred_B * n_B / jnp.maximum(n_B - 1.0, 1.0),
+}
+ADVANTAGE_KINDS = tuple(ADVANTAGES)
+
+
 def advantages(rewards_B: jax.Array, group_ids_B: jax.Array, *, kind: str, eps: float = 1e-6) -> jax.Array:
   """Per-rollout advantages from scalar rewards within groups (same prompt ⇒ same group id). [B].
 
@@ -68,22 +74,14 @@ def advantages(rewards_B: jax.Array, group_ids_B: jax.Array, *, kind: str, eps: 
   rloo:   r - mean of the *other* members = n/(n-1)·(r - mean_g) (Ahmadian et al. 2024).
   Groups whose rewards are all equal (including singletons) get exactly 0.
   """
-  if kind not in ADVANTAGE_KINDS:
-    raise ValueError(f"unknown advantage kind {kind!r}; known: {', '.join(ADVANTAGE_KINDS)}")
+  if kind not in ADVANTAGES:
+    raise ValueError(f"unknown advantage kind {kind!r}; known: {', '.join(ADVANTAGES)}")
   B = rewards_B.shape[0]
   idx_B = _group_index(group_ids_B)
   r_B = rewards_B.astype(jnp.float32)
-  n_G = jax.ops.segment_sum(jnp.ones_like(r_B), idx_B, num_segments=B)
-  n_B = n_G[idx_B]
+  n_B = jax.ops.segment_sum(jnp.ones_like(r_B), idx_B, num_segments=B)[idx_B]
   mean_B = jax.ops.segment_sum(r_B, idx_B, num_segments=B)[idx_B] / jnp.maximum(n_B, 1.0)
-  centred_B = r_B - mean_B
-  if kind == "grpo":
-    var_B = jax.ops.segment_sum(centred_B * centred_B, idx_B, num_segments=B)[idx_B] / jnp.maximum(n_B - 1, 1)
-    adv_B = centred_B / (jnp.sqrt(var_B) + eps)
-  elif kind == "drgrpo":
-    adv_B = centred_B
-  else:
-    adv_B = centred_B * n_B / jnp.maximum(n_B - 1.0, 1.0)
+  adv_B = ADVANTAGES[kind](r_B - mean_B, n_B, idx_B, eps)
   return jnp.where(groups_with_signal(rewards_B, group_ids_B), adv_B, 0.0)
 
 
@@ -99,11 +97,74 @@ def overlong_penalty(lengths_B: jax.Array, *, max_len: int, buffer: int, penalty
   return penalty * jnp.clip(-excess_B / buffer, -1.0, 0.0)
 
 
-def _eps(objective: str, eps_low: float | None, eps_high: float | None) -> tuple[float, float]:
-  if objective not in OBJECTIVES:
-    raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
-  lo, hi = _DEFAULT_EPS[objective]
-  return (lo if eps_low is None else eps_low), (hi if eps_high is None else eps_high)
+def _ppo_term(log_ratio_BT, logp_BT, adv_BT, m_BT, lo, hi):
+  """PPO/GRPO clipped surrogate, negated: -min(r·A, clip(r, 1-ε_l, 1+ε_h)·A)."""
+  ratio_BT = jnp.exp(log_ratio_BT)
+  return -jnp.minimum(ratio_BT * adv_BT, jnp.clip(ratio_BT, 1.0 - lo, 1.0 + hi) * adv_BT)
+
+
+def _gspo_term(log_ratio_BT, logp_BT, adv_BT, m_BT, lo, hi):
+  """GSPO-token (arXiv 2507.18071 §4.3): value s_i, gradient s_i·∇log π_t."""
+  seq_BT = jax.lax.stop_gradient(_seq_log_ratio(log_ratio_BT, m_BT))[:, None]
+  ratio_BT = jnp.exp(seq_BT + logp_BT - jax.lax.stop_gradient(logp_BT))
+  return -jnp.minimum(ratio_BT * adv_BT, jnp.clip(ratio_BT, 1.0 - lo, 1.0 + hi) * adv_BT)
+
+
+def _cispo_term(log_ratio_BT, logp_BT, adv_BT, m_BT, lo, hi):
+  """MiniMax-M1 §3.1: REINFORCE with a clipped, detached IS weight; a clipped token keeps its gradient."""
+  ratio_BT = jax.lax.stop_gradient(jnp.clip(jnp.exp(log_ratio_BT), 1.0 - lo, 1.0 + hi))
+  return -ratio_BT * adv_BT * logp_BT
+
+
+def _seq_mean(loss_BT, n_tok_B, n_seq, norm):
+  return jnp.sum(jnp.sum(loss_BT, axis=1) / jnp.maximum(n_tok_B, 1.0)), n_seq
+
+
+def _over_budget(loss_BT, n_tok_B, n_seq, norm):
+  return jnp.sum(loss_BT) / norm, n_seq
+
+
+def _token_mean(loss_BT, n_tok_B, n_seq, norm):
+  return jnp.sum(loss_BT), jnp.sum(n_tok_B)
+
+
+def _directional_clip(ratio, adv, lo, hi):
+  """The clipped branch is active (the token gets no gradient): r > 1+ε_h with A > 0, r < 1-ε_l with A < 0."""
+  return ((ratio > 1.0 + hi) & (adv > 0)) | ((ratio < 1.0 - lo) & (adv < 0))
+
+
+def _weight_clip(ratio, adv, lo, hi):
+  """The IS weight is truncated (CISPO), whatever the advantage's sign."""
+  return (ratio > 1.0 + hi) | (ratio < 1.0 - lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """One policy-gradient objective: clip range, per-token term, normaliser, what counts as clipped."""
+
+  eps: tuple[float, float]  # default (ε_low, ε_high)
+  term: Callable  # (log_ratio, logp, adv, mask, ε_low, ε_high) → per-token loss [B, T]
+  reduce: Callable  # (loss [B, T], tokens per row, rows, max_len) → (sum, count)
+  clipped: Callable = _directional_clip  # (ratio, adv, ε_low, ε_high) → bool, for clip_frac
+  per_sequence: bool = False  # diagnostics per sequence (the ratio is a sequence's)
+
+
+# CISPO: lower bound off (MiniMax-M1 §3.1 sets ε_low large), upper truncation 1 + 4 = 5 in the spirit of
+# ScaleRL's ε_max (from memory, verify before tuning).
+OBJECTIVES: dict[str, Objective] = {
+  "grpo": Objective((0.2, 0.2), _ppo_term, _seq_mean),
+  "drgrpo": Objective((0.2, 0.2), _ppo_term, _over_budget),
+  "dapo": Objective((0.2, 0.28), _ppo_term, _token_mean),
+  "cispo": Objective((1.0, 4.0), _cispo_term, _token_mean, clipped=_weight_clip),
+  "gspo": Objective((3e-4, 4e-4), _gspo_term, _seq_mean, per_sequence=True),
+}
+
+
+def _objective(name: str, eps_low: float | None, eps_high: float | None) -> tuple[Objective, float, float]:
+  if name not in OBJECTIVES:
+    raise ValueError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
+  o = OBJECTIVES[name]
+  return o, (o.eps[0] if eps_low is None else eps_low), (o.eps[1] if eps_high is None else eps_high)
 
 
 def _prepare(logp_BT, old_logp_BT, advantages, mask_BT, sampler_logp_BT, tis_cap):
@@ -156,34 +217,15 @@ def policy_loss(
   clip range; max_len is Dr. GRPO's constant normaliser (default T, the padded response length).
   The log-ratio is clamped to [-20, 20] before exponentiation.
   """
-  lo, hi = _eps(objective, eps_low, eps_high)
+  o, lo, hi = _objective(objective, eps_low, eps_high)
   m_BT, logp_BT, log_ratio_BT, adv_BT, w_BT = _prepare(
     logp_BT, old_logp_BT, advantages, mask_BT, sampler_logp, tis_cap
   )
   n_tok_B = jnp.sum(m_BT, axis=1).astype(jnp.float32)
   n_seq = jnp.sum(n_tok_B > 0).astype(jnp.float32)
-
-  if objective == "cispo":
-    # MiniMax-M1 §3.1: REINFORCE with a clipped, detached IS weight; a clipped token keeps its gradient.
-    ratio_BT = jax.lax.stop_gradient(jnp.clip(jnp.exp(log_ratio_BT), 1.0 - lo, 1.0 + hi))
-    loss_BT = -ratio_BT * adv_BT * logp_BT
-  else:
-    if objective == "gspo":
-      # GSPO-token (arXiv 2507.18071 §4.3): value s_i, gradient s_i·∇log π_t.
-      seq_BT = jax.lax.stop_gradient(_seq_log_ratio(log_ratio_BT, m_BT))[:, None]
-      ratio_BT = jnp.exp(seq_BT + logp_BT - jax.lax.stop_gradient(logp_BT))
-    else:
-      ratio_BT = jnp.exp(log_ratio_BT)
-    clipped_BT = jnp.clip(ratio_BT, 1.0 - lo, 1.0 + hi)
-    loss_BT = -jnp.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
-  loss_BT = jnp.where(m_BT, loss_BT * w_BT, 0.0)
-
-  if objective in ("dapo", "cispo"):
-    return jnp.sum(loss_BT), jnp.sum(n_tok_B)
-  if objective == "drgrpo":
-    norm = float(logp_BT.shape[1] if max_len is None else max_len)
-    return jnp.sum(loss_BT) / norm, n_seq
-  return jnp.sum(jnp.sum(loss_BT, axis=1) / jnp.maximum(n_tok_B, 1.0)), n_seq
+  loss_BT = jnp.where(m_BT, o.term(log_ratio_BT, logp_BT, adv_BT, m_BT, lo, hi) * w_BT, 0.0)
+  norm = float(logp_BT.shape[1] if max_len is None else max_len)
+  return o.reduce(loss_BT, n_tok_B, n_seq, norm)
 
 
 def policy_metrics(
@@ -209,7 +251,7 @@ def policy_metrics(
   Extra keyword arguments accepted by policy_loss (max_len) are ignored, so one **kw serves both.
   """
   del unused
-  lo, hi = _eps(objective, eps_low, eps_high)
+  o, lo, hi = _objective(objective, eps_low, eps_high)
   m_BT, _, log_ratio_BT, adv_BT, w_BT = _prepare(
     logp_BT, old_logp_BT, advantages, mask_BT, sampler_logp, tis_cap
   )
@@ -217,21 +259,16 @@ def policy_metrics(
   n_tok = jnp.sum(m_BT).astype(jnp.float32)
   ratio_BT = jnp.exp(log_ratio_BT)
   out = {}
-  if objective == "gspo":
+  if o.per_sequence:
     n_tok_B = jnp.sum(m_BT, axis=1)
     has_B = n_tok_B > 0
     s_B = jnp.exp(_seq_log_ratio(log_ratio_BT, m_BT))
     adv_B = jnp.sum(adv_BT, axis=1) / jnp.maximum(n_tok_B, 1).astype(jnp.float32)
-    clip_B = ((s_B > 1.0 + hi) & (adv_B > 0)) | ((s_B < 1.0 - lo) & (adv_B < 0))
     n_seq = jnp.sum(has_B).astype(jnp.float32)
-    out["clip_frac"] = (jnp.sum(clip_B & has_B).astype(jnp.float32), n_seq)
+    out["clip_frac"] = (jnp.sum(o.clipped(s_B, adv_B, lo, hi) & has_B).astype(jnp.float32), n_seq)
     out["ratio"] = (jnp.sum(jnp.where(has_B, s_B, 0.0)), n_seq)
   else:
-    if objective == "cispo":
-      clip_BT = (ratio_BT > 1.0 + hi) | (ratio_BT < 1.0 - lo)
-    else:
-      clip_BT = ((ratio_BT > 1.0 + hi) & (adv_BT > 0)) | ((ratio_BT < 1.0 - lo) & (adv_BT < 0))
-    out["clip_frac"] = (jnp.sum(clip_BT & m_BT).astype(jnp.float32), n_tok)
+    out["clip_frac"] = (jnp.sum(o.clipped(ratio_BT, adv_BT, lo, hi) & m_BT).astype(jnp.float32), n_tok)
     out["ratio"] = (jnp.sum(jnp.where(m_BT, ratio_BT, 0.0)), n_tok)
   out["approx_kl"] = (jnp.sum(jnp.where(m_BT, ratio_BT - 1.0 - log_ratio_BT, 0.0)), n_tok)
   if sampler_logp is not None:

@@ -69,3 +69,13 @@ def flops_per_token(n_active_params: int) -> float:
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
   return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_history(path: str | pathlib.Path, key: str) -> list[dict]:
+  """The records of a metrics JSONL that carry `key`, one per step (the newest write wins: a step redone
+  after a resume from an older checkpoint replaces the first try), in step order; [] when there is none."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+  by_step = {rec["step"]: rec for rec in read_jsonl(path) if "step" in rec and key in rec}
+  return [by_step[s] for s in sorted(by_step)]

@@ -1,17 +1,15 @@
-"""Next-token pretraining on packed rows: the loss, the jitted step, an eval step and the loop.
+"""Next-token pretraining on packed rows: the loss, the jitted step, an eval step and the loop's hooks.
 
 Shape suffixes: B batch, T time, V vocab, L MoE layers, E experts.
 
 The step is one pure function `train_step(state, batch) -> (state, metrics)`, jitted once with the
-state donated and explicit in/out shardings. The loop dispatches step t before it reads step t-1's
-metrics, so the host never waits on the device except to print.
+state donated and explicit in/out shardings; `fit` runs it in `train.loop` (the host reads step t-1's
+metrics while step t runs).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,39 +19,11 @@ import numpy as np
 import optax
 
 from composer_jax import model, optim, sharding
+from composer_jax.configs import TrainConfig
+from composer_jax.train import loop
 from composer_jax.train import metrics as metrics_lib
-from composer_jax.train.state import TrainState, replicated
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  steps: int = 200
-  batch_size: int = 8  # divisible by replica·fsdp
-  seq_len: int = 128  # divisible by context
-  log_every: int = 10
-  eval_every: int = 50
-  eval_batches: int = 4  # fixed validation batches (the same ones every time)
-  checkpoint_every: int = 100
-  keep_checkpoints: int = 2
-  router_bias_rate: float = 1e-3  # DeepSeek-V3 §2.1.2 bias update speed γ
-  peak_flops: float = 180e9  # for MFU; ~2 XLA:CPU cores (notes/environment.md §7), set per accelerator
-  grad_accum: int = 1  # micro-batches per step (batch_size/grad_accum divisible by replica·fsdp)
-
-
-def next_token_loss(
-  logits_BTV: jax.Array, tokens_BT: jax.Array, segment_ids_BT: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-  """(sum of -log p(next token), number of counted tokens).
-
-  Position t predicts t+1 only inside one document: the next token must have the same segment id
-  and not be padding (segment 0), so packing never teaches the model to predict across documents.
-  """
-  logp_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
-  target_BT = tokens_BT[:, 1:]
-  nll_BT = -jnp.take_along_axis(logp_BTV, target_BT[..., None], axis=-1)[..., 0]
-  seg_next_BT = segment_ids_BT[:, 1:]
-  mask_BT = (seg_next_BT == segment_ids_BT[:, :-1]) & (seg_next_BT != 0)
-  return jnp.sum(jnp.where(mask_BT, nll_BT, 0.0)), jnp.sum(mask_BT).astype(jnp.float32)
+from composer_jax.train.losses import next_token_loss, target_count
+from composer_jax.train.state import TrainState, guarded_update, replicated
 
 
 def loss_fn(
@@ -79,12 +49,6 @@ def loss_fn(
   return loss, (total_nll, count, aux)
 
 
-def target_count(segment_ids_BT: jax.Array) -> jax.Array:
-  """Tokens whose next token is counted by `next_token_loss` (same document, not padding)."""
-  nxt = segment_ids_BT[:, 1:]
-  return jnp.sum((nxt == segment_ids_BT[:, :-1]) & (nxt != 0)).astype(jnp.float32)
-
-
 def batch_sharding(meshes: sharding.Meshes | None) -> Any:
   if meshes is None:
     return None
@@ -105,10 +69,6 @@ def global_batch(batch: dict, meshes: sharding.Meshes | None) -> dict:
     return jax.device_put(batch)
   host = {k: np.asarray(v) for k, v in batch.items()}
   return {k: jax.make_array_from_process_local_data(put[k], v, v.shape) for k, v in host.items()}
-
-
-def _select(ok: jax.Array, new: Any, old: Any) -> Any:
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def _micro_batches(batch: dict, n: int) -> dict:
@@ -187,7 +147,8 @@ def _rms(tree: Any, labels: Any, label: str) -> jax.Array:
   if not leaves:
     return jnp.zeros((), jnp.float32)
   sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
-  return jnp.sqrt(sq / sum(x.size for x in leaves))
+  # A Python float: an int count past 2^31 (a 1T model's Muon leaves) would overflow int32 when traced.
+  return jnp.sqrt(sq / float(sum(x.size for x in leaves)))
 
 
 def make_train_step(
@@ -219,20 +180,14 @@ def make_train_step(
       state.params, cfg, batch, meshes, grad_accum=grad_accum, grad_sharding=grad_sharding
     )
     ce = nll / jnp.maximum(count, 1.0)
-    grad_norm = optax.tree.norm(jax.tree.map(lambda g, t: g if t else jnp.zeros(()), grads, trainable))
-    ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # Aux-loss-free balancing: move the router bias by the load of this batch, outside the gradient.
-    params = model.update_router_bias(params, aux["expert_load"], router_bias_rate)
     max_logit_LH = aux["max_logit"]
-    if qk_clip_tau > 0:
-      params = optim.qk_clip(params, max_logit_LH, cfg, qk_clip_tau)
-    new = TrainState(
-      step=state.step + 1,
-      params=_select(ok, params, state.params),
-      opt_state=_select(ok, opt_state, state.opt_state),
-    )
+
+    def after(params):
+      # Aux-loss-free balancing: move the router bias by the load of this batch, outside the gradient.
+      params = model.update_router_bias(params, aux["expert_load"], router_bias_rate)
+      return optim.qk_clip(params, max_logit_LH, cfg, qk_clip_tau) if qk_clip_tau > 0 else params
+
+    new, updates, grad_norm, ok = guarded_update(state, grads, ce, tx, after=after, trainable=trainable)
     load_LE = aux["expert_load"].astype(jnp.float32)
     imbalance = (
       jnp.max(load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)) if load_LE.size else jnp.zeros(())
@@ -304,109 +259,69 @@ def fit(
   state: TrainState,
   train_step: Callable,
   eval_step: Callable,
-  train_iter: Iterator[dict],
+  train_iter: Any,
   eval_batches: list[dict],
   tcfg: TrainConfig,
   *,
   meshes: sharding.Meshes | None,
-  writer: metrics_lib.MetricsWriter,
+  writer: metrics_lib.MetricsWriter | None = None,
   save: Callable[[TrainState, dict, bool], None] | None = None,
   flops_per_token: float = 0.0,
-  log: Callable[[str], None] = print,
 ) -> tuple[TrainState, dict]:
-  """Trains from `state.step` to `tcfg.steps`; returns (state, summary).
+  """Trains from `state.step` to `tcfg.steps` in `train.loop`; returns (state, summary).
 
-  `save(state, data_state, force)` is called every `checkpoint_every` steps and at the end, with
-  the iterator state right after the last dispatched step's batch (so a resume sees the next batch).
-  Ctrl-C stops after the step in flight, saves, and returns with `interrupted=True` in the summary.
+  `save(state, data_state, final)` runs every `checkpoint_every` steps and at the end, with the data
+  iterator's state right after the last dispatched batch (a resume sees the next batch). An interrupt
+  saves and returns with `interrupted=True` in the summary.
   """
-  start = int(state.step)
-  history: dict[str, list] = {"train": [], "validation": []}
-  pending: tuple[int, dict, float] | None = None
-  t_start, tokens_seen, interrupted, skipped = time.perf_counter(), 0.0, False, 0
-  window = [t_start, 0.0]  # (time, tokens_seen) at the last progress line: tok/s of recent steps
-  first_done: list[float] = []  # when the first step (compile included) finished
-  data_state = train_iter.get_state()
+  data_state = [train_iter.get_state()]
 
-  def drain(item: tuple[int, dict, float]) -> None:
-    nonlocal tokens_seen, skipped
-    step, m, t_dispatch = item
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
-    dt = time.perf_counter() - t_dispatch
-    tokens_seen += m["tokens"]
-    skipped += int(m["skipped"])
-    history["train"].append((step, m["loss"]))
-    now = time.perf_counter()
-    first_done.append(now)
-    if step % tcfg.log_every == 0 or step == tcfg.steps:
-      elapsed = now - t_start
-      tok_s = (tokens_seen - window[1]) / max(now - window[0], 1e-9)
-      window[:] = [now, tokens_seen]
-      m |= {"tokens_per_s": tok_s, "mfu": flops_per_token * tok_s / tcfg.peak_flops, "skipped_total": skipped}
-      writer.write(step, m)
-      eta = (tcfg.steps - step) * elapsed / max(step - start, 1)
-      log(
-        f"{_bar(step, tcfg.steps)} step {step}/{tcfg.steps} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3f} "
-        f"lr {m['lr']:.2e} {tok_s:,.0f} tok/s mfu {m['mfu']:.1%} step {dt:.2f}s eta {eta:.0f}s"
-        + (f" skipped {skipped}" if skipped else "")
-      )
+  def next_batch(step: int, state: TrainState) -> tuple[dict, dict]:
+    batch = global_batch(next(train_iter), meshes)
+    data_state[0] = train_iter.get_state()
+    return batch, {}
 
-  if start == 0 and eval_batches:  # the untrained model's validation loss: the curve's origin
-    history["validation"].append((0, evaluate(eval_step, state.params, eval_batches)))
-    writer.write(0, {"validation_loss": history["validation"][0][1]})
-    log(f"step 0: validation loss {history['validation'][0][1]:.4f}")
-  try:
-    for step in range(start + 1, tcfg.steps + 1):
-      batch = global_batch(next(train_iter), meshes)
-      t0 = time.perf_counter()
-      state, m = train_step(state, batch)  # dispatched; runs while the previous metrics are read
-      data_state = train_iter.get_state()
-      if pending is not None:
-        drain(pending)
-      pending = (step, m, t0)
-      if step % tcfg.eval_every == 0 or step == tcfg.steps:
-        drain(pending)
-        pending = None
-        val = evaluate(eval_step, state.params, eval_batches)
-        history["validation"].append((step, val))
-        writer.write(step, {"validation_loss": val})
-        log(f"step {step}: validation loss {val:.4f}")
-      if save is not None and step % tcfg.checkpoint_every == 0:
-        save(state, data_state, False)
-  except KeyboardInterrupt:
-    interrupted = True
-    log(f"interrupted at step {int(state.step)}: saving a final checkpoint")
-  if pending is not None:
-    drain(pending)
-  if save is not None:
-    save(state, data_state, True)
-  writer.flush()
-  elapsed = time.perf_counter() - t_start
-  train, val = history["train"], history["validation"]
-  summary = {
-    "start_step": start,
-    "steps": int(state.step),
-    "interrupted": interrupted,
-    "skipped_steps": skipped,
+  def describe(r: dict) -> str:
+    return (
+      f"loss {r['loss']:.4f} gnorm {r['grad_norm']:.3f} lr {r['lr']:.2e} {r['tokens_per_s']:,.0f} tok/s "
+      f"mfu {r['mfu']:.1%} step {r['step_s']:.2f}s"
+    )
+
+  hooks = loop.Hooks(
+    next_batch=next_batch,
+    describe=describe,
+    annotate=lambda r: {"mfu": flops_per_token * r["tokens_per_s"] / tcfg.peak_flops},
+    evaluate=(lambda st: {"validation_loss": evaluate(eval_step, st.params, eval_batches)})
+    if eval_batches
+    else None,
+    save=None if save is None else lambda st, step, final: save(st, data_state[0], final),
+    writer=writer,
+    throughput_key="tokens",
+  )
+  schedule = loop.Schedule(tcfg.steps, tcfg.log_every, tcfg.eval_every, tcfg.checkpoint_every)
+  state, r = loop.fit(state, train_step, schedule, hooks, name="pretrain")
+  return state, _summary(r)
+
+
+def _summary(r: loop.Result) -> dict:
+  train = [(h["step"], h["loss"]) for h in r.history]
+  val = [(e["step"], e["validation_loss"]) for e in r.evals]
+  tokens = sum(h["tokens"] for h in r.history)
+  return {
+    "start_step": r.start_step,
+    "steps": r.steps,
+    "interrupted": r.interrupted,
+    "skipped_steps": r.skipped_steps,
     "first_train_loss": train[0][1] if train else None,
     "last_train_loss": train[-1][1] if train else None,
     "first_validation_loss": val[0][1] if val else None,
     "last_validation_loss": val[-1][1] if val else None,
     "train_losses": [loss for _, loss in train],
     "validation_losses": val,
-    "seconds": elapsed,
-    "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
-    # wall time per step after the first (compilation) step, evaluation and checkpoints included
-    "seconds_per_step": (first_done[-1] - first_done[0]) / max(len(first_done) - 1, 1)
-    if first_done
-    else None,
+    "seconds": r.seconds,
+    "tokens_per_s": tokens / max(r.seconds, 1e-9),
+    "seconds_per_step": r.seconds_per_step,
   }
-  return state, summary
-
-
-def _bar(step: int, total: int, width: int = 20) -> str:
-  done = int(width * step / max(total, 1))
-  return "[" + "#" * done + "." * (width - done) + "]"
 
 
 def fixed_batches(it: Iterator[dict], n: int, meshes: sharding.Meshes | None) -> list[dict]:

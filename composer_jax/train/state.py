@@ -1,4 +1,5 @@
-"""The train state (step, params, optimizer state) and its creation with explicit shardings.
+"""The train state (step, params, optimizer state), its creation with explicit shardings, and the one
+guarded update every step uses.
 
 Params come from `model.init` (each leaf created in its shard on the dense or expert mesh); the
 optimizer state from an eager `tx.init`, which the sharded Muon needs. Leaves that `tx.init` leaves
@@ -9,7 +10,8 @@ restore target.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,3 +52,42 @@ def create_state(
 def state_shardings(state: TrainState) -> Any:
   """The state's tree of shardings (what the jitted step takes and returns)."""
   return jax.tree.map(lambda x: x.sharding, state)
+
+
+class Update(NamedTuple):
+  state: TrainState  # the next state (the old params and optimizer state where the step was not finite)
+  updates: Any  # what the optimizer applied (lr, scaling and decay included)
+  grad_norm: jax.Array
+  ok: jax.Array  # bool scalar: loss and gradient norm were finite, so the update was kept
+
+
+def guarded_update(
+  state: TrainState,
+  grads: Any,
+  loss: jax.Array,
+  tx: optax.GradientTransformation,
+  *,
+  after: Callable[[Any], Any] | None = None,
+  trainable: Any = None,
+) -> Update:
+  """One optimizer step that a non-finite loss or gradient cannot poison.
+
+  The update is computed and then kept only where `loss` and the global gradient norm are finite;
+  otherwise the old params and optimizer state stay (the step counter still advances, so the batch
+  is not retried). `after(params)` runs on the updated params (router-bias balancing, QK-clip) and is
+  discarded with them. `trainable` (a bool tree) restricts the norm to trained leaves.
+  """
+  counted = (
+    grads if trainable is None else jax.tree.map(lambda g, t: g if t else jnp.zeros(()), grads, trainable)
+  )
+  grad_norm = optax.tree.norm(counted)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  if after is not None:
+    params = after(params)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+  new = TrainState(
+    step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state)
+  )
+  return Update(new, updates, grad_norm, ok)

@@ -1,0 +1,130 @@
+"""Trajectories → the padded arrays of one RL step, with the teacher's inputs for flagged turns.
+
+Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, L teacher tokens
+(hint + turn), N tokens of the flagged turn.
+
+  batch = rl_batch(trajs, group_ids, infos, with_feedback=True, rules=rules)
+
+Shapes are bucketed to powers of two (`bucket`), so a run compiles a handful of step programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from composer_jax.configs import RLConfig
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.rl import chat, feedback
+
+_RULES = feedback.FeedbackRules()
+
+# The arrays of a batch without feedback (what a step without the teacher takes).
+BASE_KEYS = (
+  "tokens",
+  "positions",
+  "segment_ids",
+  "loss_mask",
+  "sampler_logprobs",
+  "rewards",
+  "group_ids",
+  "routed_experts",
+)
+
+
+def bucket(n: int, minimum: int) -> int:
+  """The smallest power of two ≥ max(n, minimum): a handful of shapes, so a handful of compilations."""
+  return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def feedback_rules(rcfg: RLConfig) -> feedback.FeedbackRules:
+  """The detectors to act on: `rcfg.feedback_kinds` (comma-separated), or the default set."""
+  kinds = tuple(k for k in rcfg.feedback_kinds.split(",") if k)
+  return feedback.FeedbackRules(kinds=kinds) if kinds else _RULES
+
+
+def without_feedback(batch: dict) -> dict:
+  """The batch for the step without the teacher (λ = 0, or no turn was flagged)."""
+  return {k: v for k, v in batch.items() if k in BASE_KEYS}
+
+
+def feedback_arrays(
+  trajs: Sequence[chat.Trajectory],
+  infos: Sequence[dict],
+  pad_to: int,
+  rules: feedback.FeedbackRules = _RULES,
+  tok: Tokenizer = chat.BYTE_TOKENIZER,
+) -> dict[str, np.ndarray]:
+  """Teacher inputs for the flagged rows only: F = bucket(#flagged, 4) teacher rows, padding rows empty.
+
+  fb_rows [F] (the batch row each teacher row belongs to; padding: 0), teacher_tokens [F, L] (hint +
+  turn k, right-padded), teacher_lengths [F] (0: padding), hint_start [F] (student slots ≥ it are hidden
+  from the teacher; `pad_to` hides nothing), fb_cols [F, N] (student column t = p - 1 of each sampled
+  token p of turn k), teacher_cols [F, N] (the extension column aligned with it), fb_mask [F, N].
+  The teacher and the divergence then cost F·(L + N) positions instead of B·T.
+  """
+  rows = []
+  for b, (traj, info) in enumerate(zip(trajs, infos, strict=True)):
+    found = feedback.detect(traj, info, rules, tok) if traj.status != chat.FAILED else []
+    if not found:
+      continue
+    k, kind = found[0]
+    t = feedback.teacher_inputs(traj, k, feedback.hint_ids(feedback.hint_for(kind, info, rules), tok))
+    if len(t.student_positions):
+      rows.append((b, t))
+  F = bucket(len(rows), 4)
+  L = bucket(max([len(t.tokens) - t.hint_start for _, t in rows], default=1), 32)
+  N = bucket(max([len(t.student_positions) for _, t in rows], default=1), 16)
+  out = {
+    "fb_rows": np.zeros((F,), np.int32),
+    "teacher_tokens": np.zeros((F, L), np.int32),
+    "teacher_lengths": np.zeros((F,), np.int32),
+    "hint_start": np.full((F,), pad_to, np.int32),
+    "fb_cols": np.zeros((F, N), np.int32),
+    "teacher_cols": np.zeros((F, N), np.int32),
+    "fb_mask": np.zeros((F, N), np.float32),
+  }
+  for f, (b, t) in enumerate(rows):
+    ext = t.tokens[t.hint_start :]
+    n = len(t.student_positions)
+    out["fb_rows"][f] = b
+    out["teacher_tokens"][f, : len(ext)] = ext
+    out["teacher_lengths"][f] = len(ext)
+    out["hint_start"][f] = t.hint_start
+    out["fb_cols"][f, :n] = t.student_positions - 1
+    out["teacher_cols"][f, :n] = t.teacher_positions - 1 - t.hint_start
+    out["fb_mask"][f, :n] = 1.0
+  return out
+
+
+def rl_batch(
+  trajs: Sequence[chat.Trajectory],
+  group_ids: Sequence[int],
+  infos: Sequence[dict] | None = None,
+  *,
+  with_feedback: bool = False,
+  rules: feedback.FeedbackRules = _RULES,
+  tok: Tokenizer = chat.BYTE_TOKENIZER,
+) -> dict[str, np.ndarray]:
+  """`chat.to_arrays` (padded to a power of two) + group ids (+ `feedback_arrays` when asked).
+
+  Trajectories that carry `routed_experts` (collected with routing_replay) add routed_experts
+  [B, T, MoE layers, top_k] int16, -1 on padding and wherever unknown (the forward routes those itself).
+  """
+  pad_to = bucket(max(len(t) for t in trajs), 64)
+  a = chat.to_arrays(trajs, pad_to, tok.pad_id)
+  batch = {
+    k: a[k] for k in ("tokens", "positions", "segment_ids", "loss_mask", "sampler_logprobs", "rewards")
+  }
+  batch["group_ids"] = np.asarray(group_ids, np.int32)
+  recorded = [t.routed_experts for t in trajs if t.routed_experts is not None]
+  if recorded:
+    routed_BTLK = np.full((len(trajs), pad_to, *recorded[0].shape[1:]), -1, np.int16)
+    for b, t in enumerate(trajs):
+      if t.routed_experts is not None:
+        routed_BTLK[b, : len(t.routed_experts)] = t.routed_experts
+    batch["routed_experts"] = routed_BTLK
+  if with_feedback:
+    batch |= feedback_arrays(trajs, infos, pad_to, rules, tok)
+  return batch

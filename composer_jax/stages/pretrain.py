@@ -1,0 +1,128 @@
+"""Stage `pretrain`: next-token training of the model on the stdlib corpus, resuming from its checkpoints.
+
+  <workdir>/tfds (the corpus, built once), checkpoints/ (orbax), metrics/ (JSONL, TensorBoard),
+  pretrain.json (the summary)
+
+A changed config continues in place (`resume_on_change`): the checkpointer restores what it can (e.g.
+more steps) and refuses the rest, naming the differing field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+from absl import logging
+
+from composer_jax import configs, optim, sharding
+from composer_jax.configs import Config
+from composer_jax.stages.record import Interrupted, Stage
+
+
+def run(config: Config, workdir: str) -> dict[str, Any]:
+  """Trains `config.train.steps` steps (resuming from the newest checkpoint); returns the summary."""
+  from composer_jax import train
+  from composer_jax.data import corpus, tokenizer  # tfds: imported only by the stages that read data
+  from composer_jax.train import checkpoint, metrics
+  from composer_jax.train import pretrain as pt
+
+  cfg, tcfg, d = config.model, config.train, config.data
+  ocfg = configs.pretrain_optimizer(config)
+  meshes = sharding.make_meshes(config)
+  logging.info("[pretrain] meshes: %s", sharding.describe(meshes))
+  splits = corpus.build_corpus(str(pathlib.Path(workdir, "tfds")), src_dir=d.src_dir, max_files=d.max_files)
+  tok = tokenizer.load(d.tokenizer)
+  if tok.vocab_size > cfg.vocab_size:
+    raise configs.ConfigError(
+      f"tokenizer {d.tokenizer!r} has {tok.vocab_size} ids but model.vocab_size is {cfg.vocab_size}; "
+      "raise --config.model.vocab_size or pick a smaller tokenizer."
+    )
+
+  tx = optim.build_optimizer(cfg, ocfg, meshes)
+  state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
+  record = configs.record(
+    model=dataclasses.replace(cfg, remat="none"),  # how to compute, not what: free to change on resume
+    optim=ocfg,
+    data=d,
+    batch=dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len),
+    seed=config.seed,
+  )
+  ckpt = checkpoint.Checkpointer(pathlib.Path(workdir, "checkpoints"), record, keep=tcfg.keep_checkpoints)
+  shape = dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len)
+  train_iter = corpus.batches(splits["train"], tok, **shape, seed=config.seed)
+  if ckpt.latest_step() is not None:
+    state, data_state = ckpt.restore(state)
+    train_iter.set_state(data_state)
+    logging.info("[pretrain] resumed from %s/%d", ckpt.directory, int(state.step))
+  eval_iter = corpus.batches(splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1)
+  eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes)
+
+  train_step = pt.make_train_step(
+    cfg, tx, optim.lr_schedule(ocfg), train.state.state_shardings(state), meshes,
+    router_bias_rate=tcfg.router_bias_rate, grad_accum=tcfg.grad_accum, qk_clip_tau=ocfg.qk_clip_tau,
+  )  # fmt: skip
+  eval_step = pt.make_eval_step(cfg, train.state.state_shardings(state).params, meshes)
+  n_active = pt.active_params(cfg)
+  logging.info("[pretrain] %s active params/token, %dx%d tokens/step", f"{n_active:,}", *shape.values())
+  writer = metrics.MetricsWriter(pathlib.Path(workdir, "metrics"))
+  if not writer.has_tensorboard:
+    logging.info("[pretrain] tensorboardX not installed: metrics go to metrics.jsonl only")
+  try:
+    state, summary = pt.fit(
+      state, train_step, eval_step, train_iter, eval_batches, tcfg, meshes=meshes, writer=writer,
+      save=lambda st, data_state, final: ckpt.save(st, data_state, force=final),
+      flops_per_token=metrics.flops_per_token(n_active),
+    )  # fmt: skip
+  finally:
+    ckpt.close()
+    writer.close()
+  if summary["interrupted"]:
+    raise Interrupted(f"pretrain stopped at step {summary['steps']} and saved its checkpoint")
+  summary["checkpoints"] = ckpt.all_steps()
+  pathlib.Path(workdir, "pretrain.json").write_text(json.dumps(summary, indent=1))
+  logging.info("[pretrain] %s", _line(summary))
+  return summary
+
+
+def _f(x: float | None, digits: int = 4) -> str:
+  return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _line(s: dict) -> str:
+  return (
+    f"steps {s['start_step']}→{s['steps']}, train loss {_f(s['first_train_loss'])} → "
+    f"{_f(s['last_train_loss'])}, validation {_f(s['first_validation_loss'])} → "
+    f"{_f(s['last_validation_loss'])}, {s['tokens_per_s']:,.0f} tok/s, {s['seconds']:.0f} s"
+  )
+
+
+def _summarize(s: dict, w: pathlib.Path) -> dict:
+  keys = ("start_step", "steps", "first_train_loss", "last_train_loss", "first_validation_loss")
+  keys += ("last_validation_loss", "tokens_per_s", "skipped_steps")
+  return {k: s.get(k) for k in keys} | dict(
+    checkpoints=str(w / "checkpoints"), metrics=str(w / "metrics" / "metrics.jsonl")
+  )
+
+
+def _lines(r: dict) -> list[str]:
+  return [
+    f"  steps {r['start_step']}->{r['steps']}: train loss {_f(r['first_train_loss'], 3)} -> "
+    f"{_f(r['last_train_loss'], 3)}, validation {_f(r['first_validation_loss'], 3)} -> "
+    f"{_f(r['last_validation_loss'], 3)}",
+    f"  checkpoints {r['checkpoints']}, metrics {r['metrics']}",
+  ]
+
+
+STAGE = Stage(
+  name="pretrain",
+  run=run,
+  doc="next-token training on the stdlib corpus, sharded Muon + AdamW, checkpoints and metrics",
+  depends=("seed", "model", "train", "optim", "data"),
+  outputs=("checkpoints", "metrics", "pretrain.json"),
+  summarize=_summarize,
+  lines=_lines,
+  resume_on_change=True,
+)

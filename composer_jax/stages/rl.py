@@ -1,0 +1,212 @@
+"""Stage `rl`: multi-turn RL with targeted text feedback from the SFT checkpoint.
+
+  <workdir>/rl (checkpoints), rl_metrics/ (JSONL), rl_episodes/ (coding env checkouts), rl.json; with
+  `rl.compare_without_feedback` and λ > 0 also the λ = 0 arm on the same problems and seeds
+  (rl_nofb, rl_nofb_metrics, rl_nofb_episodes), for the summary's side-by-side.
+
+Resumes mid-run from the newest checkpoint: the problems and sampling keys of step s are pure functions
+of (seed, s). The per-step history comes from the metrics file (every step so far, not only this
+process's), so a resumed stage still reports first → last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+from typing import Any
+
+import jax
+from absl import logging
+
+from composer_jax import configs, optim
+from composer_jax.configs import Config, RLConfig
+from composer_jax.stages import outputs, sft
+from composer_jax.stages.record import Interrupted, Stage
+
+
+def rl_optimizer(config: Config, rcfg: RLConfig) -> configs.OptimizerConfig:
+  return configs.stage_optimizer(
+    config.optim, rcfg.steps, lr=rcfg.lr, warmup=rcfg.warmup_steps, min_lr_ratio=1.0
+  )
+
+
+def run(config: Config, workdir: str) -> dict[str, Any]:
+  """The feedback arm, then (with `compare_without_feedback` and λ > 0) the λ = 0 arm from the same SFT
+  params on the same problems and seeds; its summary is `without_feedback` in the returned dict."""
+  rcfg = config.rl
+  summary = run_arm(config, workdir, rcfg, "rl")
+  if rcfg.compare_without_feedback and rcfg.lambda_feedback > 0:
+    logging.info("[rl] the same run without feedback (lambda_feedback 0), same problems and seeds")
+    nofb = dataclasses.replace(rcfg, lambda_feedback=0.0)
+    summary["without_feedback"] = run_arm(config, workdir, nofb, "rl_nofb")
+  pathlib.Path(workdir, "rl.json").write_text(json.dumps(summary, indent=1))
+  return summary
+
+
+def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str, Any]:
+  """One RL run into `<workdir>/<name>` (checkpoints) and `<workdir>/<name>_metrics`."""
+  from composer_jax import train
+  from composer_jax.rl import loop, rollout, step
+  from composer_jax.rl.envs import factories
+  from composer_jax.train import metrics
+
+  cfg = configs.rl_model(config)
+  ocfg = rl_optimizer(config, rcfg)
+  tx = step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, None), rcfg)  # "ema": teacher in opt state
+  state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
+  record = configs.record(model=cfg, optim=ocfg, rl=rcfg, seed=config.seed)
+  make_envs = factories.factory(rcfg, workdir, pathlib.Path(workdir, f"{name}_episodes"))
+  schedule = optim.lr_schedule(ocfg)
+  steps = {fb: step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
+  evaluate = None  # the fixed problem set (rl.eval_every, rl.eval_problems): step-to-step noise-free progress
+  if rcfg.env == "toy" and rcfg.eval_every > 0:
+    evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
+  metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
+  with outputs.opened(pathlib.Path(workdir, name), record, rcfg.keep_checkpoints, metrics_dir) as out:
+    state = _start(state, out.ckpt, tx, workdir, cfg, name)
+    logging.info(
+      "[%s] env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s (%s)",
+      name, rcfg.env, rcfg.steps, rcfg.problems_per_step, rcfg.group_size, rcfg.objective, rcfg.advantage,
+      rcfg.lambda_feedback, rcfg.divergence,
+    )  # fmt: skip
+    state, summary = loop.fit(
+      state, steps, make_envs, cfg, rcfg, writer=out.writer, save=out.save, evaluate=evaluate
+    )
+  if summary["interrupted"]:
+    raise Interrupted(f"{name} stopped at step {summary['steps']} and saved its checkpoint")
+  jsonl = metrics_dir / "metrics.jsonl"
+  summary["history"] = metrics.read_history(jsonl, "reward") or summary["history"]
+  evals = metrics.read_history(jsonl, "eval_reward")
+  if evals:
+    summary["evals"] = [
+      {"step": r["step"]} | {k.removeprefix("eval_"): v for k, v in r.items() if k.startswith("eval_")}
+      for r in evals
+    ]
+  summary |= {
+    "lambda_feedback": rcfg.lambda_feedback,
+    "rollouts_per_step": rcfg.problems_per_step * rcfg.group_size,
+    "checkpoints": str(out.ckpt.directory),
+    "metrics": str(jsonl.absolute()),
+  }
+  h = summary["history"]
+  if h:
+    logging.info(
+      "[%s] reward %.3f -> %.3f, invalid-call rate %.3f -> %.3f, %.0fs",
+      name, h[0]["reward"], h[-1]["reward"], h[0]["invalid_call_rate"], h[-1]["invalid_call_rate"],
+      summary["seconds"],
+    )  # fmt: skip
+  return summary
+
+
+def eval_history(path: pathlib.Path) -> list[dict]:
+  """The fixed-set evaluations of a metrics JSONL as {step, reward, ...} (the `eval_` prefix dropped)."""
+  from composer_jax.train import metrics
+
+  return [
+    {"step": r["step"]} | {k.removeprefix("eval_"): v for k, v in r.items() if k.startswith("eval_")}
+    for r in metrics.read_history(path, "eval_reward")
+  ]
+
+
+def _start(state: Any, ckpt: Any, tx: Any, workdir: str, cfg: Any, name: str) -> Any:
+  """The arm's own newest checkpoint, else the SFT params with a fresh optimizer state."""
+  from composer_jax import train
+
+  if ckpt.latest_step() is not None:
+    state, _ = ckpt.restore(state)
+    logging.info("[%s] resumed from %s/%d", name, ckpt.directory, int(state.step))
+    return state
+  params = sft.load_params(workdir, cfg)
+  if params is None:
+    logging.warning(
+      "[%s] no SFT checkpoint under <workdir>/sft: starting from random weights (run sft first)", name
+    )
+    return state
+  logging.info("[%s] starting from the SFT checkpoint in %s/sft", name, workdir)
+  return train.TrainState(step=state.step, params=params, opt_state=tx.init(params))
+
+
+def _window_means(values: list[float]) -> tuple[float, float, int]:
+  """(mean of the first k, mean of the last k, k) with k = max(1, min(3, len // 3)): single steps of a few
+  dozen rollouts are noisy."""
+  k = max(1, min(3, len(values) // 3))
+  return sum(values[:k]) / k, sum(values[-k:]) / k, k
+
+
+def _arm(s: dict) -> dict:
+  h = s.get("history") or []
+  out: dict[str, Any] = dict(
+    steps=s.get("steps"), lambda_feedback=s.get("lambda_feedback"), failed_steps=s.get("failed_steps")
+  )
+  if h:
+    for key in ("reward", "pass_rate", "invalid_call_rate"):
+      first, last, k = _window_means([r.get(key, 0.0) for r in h])
+      out[key] = dict(first=first, last=last)
+    out["window"] = k
+    for key in ("feedback_turns_per_rollout", "feedback_kl"):
+      out[key] = sum(r.get(key, 0.0) for r in h) / len(h)
+  evals = s.get("evals") or []
+  if len(evals) > 1:  # the fixed problem set, before the first step and after the last evaluated one
+    keep = ("step", "reward", "invalid_call_rate")
+    out["eval"] = dict(first={k: evals[0].get(k) for k in keep}, last={k: evals[-1].get(k) for k in keep})
+  return out | {k: s[k] for k in ("checkpoints", "metrics") if k in s}
+
+
+def _summarize(s: dict, w: pathlib.Path) -> dict:
+  out = _arm(s)
+  if s.get("without_feedback"):
+    out["without_feedback"] = _arm(s["without_feedback"])
+  return out
+
+
+def _f(x: Any, fmt: str = ".3f") -> str:
+  return "n/a" if x is None else format(x, fmt)
+
+
+def _arm_line(a: dict) -> str:
+  if "reward" not in a:
+    return f"{a.get('steps')} steps, no step finished"
+  ff = lambda key: f"{_f(a[key]['first'])} -> {_f(a[key]['last'])}"  # noqa: E731
+  line = (
+    f"reward {ff('reward')}, pass {ff('pass_rate')}, invalid-call rate {ff('invalid_call_rate')}, "
+    f"feedback turns/rollout {_f(a['feedback_turns_per_rollout'], '.2f')}, "
+    f"feedback KL {_f(a['feedback_kl'], '.4f')}"
+  )
+  if "eval" in a:
+    e0, e1 = a["eval"]["first"], a["eval"]["last"]
+    line += (
+      f"; fixed problems, step {e0['step']} -> {e1['step']}: reward {_f(e0['reward'])} -> "
+      f"{_f(e1['reward'])}, invalid-call rate {_f(e0['invalid_call_rate'])} -> {_f(e1['invalid_call_rate'])}"
+    )
+  return line
+
+
+def _lines(r: dict) -> list[str]:
+  k = r.get("window", 1)
+  lines = [f"  first/last {k} step(s), lambda {r.get('lambda_feedback')}: {_arm_line(r)}"]
+  nofb = r.get("without_feedback")
+  if nofb:
+    lines.append(f"  same seeds, lambda 0:      {_arm_line(nofb)}")
+    if "invalid_call_rate" in r and "invalid_call_rate" in nofb:
+      d_inv = r["invalid_call_rate"]["last"] - nofb["invalid_call_rate"]["last"]
+      d_rew = r["reward"]["last"] - nofb["reward"]["last"]
+      lines.append(
+        f"  feedback effect (last {k} steps, with - without): invalid-call rate {d_inv:+.3f}, "
+        f"reward {d_rew:+.3f}"
+      )
+  lines.append(f"  checkpoints {r.get('checkpoints')}, metrics {r.get('metrics')}")
+  return lines
+
+
+STAGE = Stage(
+  name="rl",
+  run=run,
+  doc="multi-turn RL with targeted text feedback from the SFT checkpoint (and the same run without)",
+  depends=("seed", "model", "optim", "rl"),
+  outputs=("rl", "rl_metrics", "rl_episodes", "rl_nofb", "rl_nofb_metrics", "rl_nofb_episodes", "rl.json"),
+  upstream=lambda config: ("sft", "synth") if config.rl.env == "coding" else ("sft",),
+  summarize=_summarize,
+  lines=_lines,
+)

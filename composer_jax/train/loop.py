@@ -1,0 +1,211 @@
+"""The one training loop: pretraining, SFT and RL differ only in their hooks.
+
+  result = loop.fit(state, step_fn, loop.Schedule(steps=60, log_every=5), loop.Hooks(next_batch=...))
+
+Each step: `next_batch(step, state)` gives the device batch and host-side metrics (RL rolls out here),
+`step_fn(state, batch)` dispatches the jitted step, and the *previous* step's metrics are read while
+this one runs, so the host waits on the device only to print. Every `log_every` steps a progress line
+(`describe(record)` + ETA) is logged; every `eval_every` steps `evaluate(state)`; every
+`checkpoint_every` steps and at the end `save(state, step, final)`.
+
+Interrupts: SIGINT (Ctrl-C) and SIGTERM (what schedulers send) only set a flag while the loop runs; the
+step in flight finishes, the loop saves and returns with `interrupted=True`. A second Ctrl-C aborts at
+once without saving. Reading `state.step` once at the start (never after a step was dispatched, when
+the old state's buffers may already be donated) keeps the interrupt path off deleted arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from absl import logging
+
+from composer_jax import console
+from composer_jax.train.metrics import MetricsWriter
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  steps: int  # train up to this step count
+  log_every: int = 1
+  eval_every: int = 0  # 0: no evaluation (besides none at the start)
+  checkpoint_every: int = 0  # 0: save only at the end
+  eval_at_start: bool = True  # evaluate before the first step of a fresh run (the curve's origin)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+  """What makes a loop pretraining, SFT or RL."""
+
+  next_batch: Callable[[int, Any], tuple[Any, dict[str, float]]]  # (step, state) → (batch, host metrics)
+  describe: Callable[[dict[str, float]], str] = lambda rec: f"loss {rec.get('loss', float('nan')):.4f}"
+  annotate: Callable[[dict[str, float]], dict[str, float]] | None = None  # extra fields of a logged record
+  evaluate: Callable[[Any], dict[str, float]] | None = None  # state → named metrics
+  save: Callable[[Any, int, bool], None] | None = None  # (state, step, final)
+  writer: MetricsWriter | None = None
+  throughput_key: str | None = None  # e.g. "tokens": logged records get `<key>_per_s` of recent steps
+  tolerate_failures: bool = False  # RL: a step whose rollouts or update raise is logged and skipped
+  sync: bool = False  # read each step's metrics at once (RL: the next batch needs the new params anyway)
+
+
+@dataclasses.dataclass
+class Result:
+  start_step: int
+  steps: int  # the step count reached
+  interrupted: bool = False
+  failed_steps: int = 0
+  skipped_steps: int = 0  # non-finite steps the guarded update skipped
+  history: list[dict[str, float]] = dataclasses.field(default_factory=list)  # one record per step
+  evals: list[dict[str, float]] = dataclasses.field(default_factory=list)  # {"step": s, **metrics}
+  seconds: float = 0.0
+  seconds_per_step: float | None = None  # after the first (compiling) step; evals and saves included
+
+
+class _Stop:
+  """Set by SIGINT/SIGTERM while a loop runs; a second SIGINT raises KeyboardInterrupt."""
+
+  def __init__(self, name: str):
+    self.requested, self._name = False, name
+
+  def __call__(self, signum: int, frame: Any) -> None:
+    if self.requested and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.requested = True
+    logging.warning(
+      "[%s] %s: stopping after the step in flight and saving (Ctrl-C again aborts without saving)",
+      self._name,
+      signal.Signals(signum).name,
+    )
+
+
+@contextlib.contextmanager
+def stop_on_signal(name: str) -> Iterator[_Stop]:
+  """SIGINT/SIGTERM become a flag for the duration (main thread only; elsewhere a flag never set)."""
+  stop = _Stop(name)
+  if threading.current_thread() is not threading.main_thread():
+    yield stop
+    return
+  previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield stop
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def _due(step: int, every: int, last: int) -> bool:
+  return step == last or (every > 0 and step % every == 0)
+
+
+class _Run:
+  """The bookkeeping of one `fit`: pending metrics, history, evaluation and progress lines."""
+
+  def __init__(self, schedule: Schedule, hooks: Hooks, name: str, start: int, bar: Any):
+    self.s, self.h, self.name, self.bar = schedule, hooks, name, bar
+    self.result = Result(start_step=start, steps=start)
+    self.t0 = time.perf_counter()
+    self.window = (self.t0, 0.0)  # (time, throughput counter) at the last progress line
+    self.counted, self.done_at = 0.0, []
+
+  def record(self, step: int, metrics: Any, host: dict[str, float], t_dispatch: float) -> None:
+    """Reads one step's device metrics (blocking on that step) and logs/writes its record."""
+    rec = dict(host) | {k: float(v) for k, v in jax.device_get(metrics).items()}
+    now = time.perf_counter()
+    rec["step_s"] = now - t_dispatch
+    self.done_at.append(now)
+    self.result.skipped_steps += int(rec.get("skipped", 0))
+    if self.h.throughput_key:
+      self.counted += rec.get(self.h.throughput_key, 0.0)
+    log_now = _due(step, self.s.log_every, self.s.steps)
+    if log_now and self.h.throughput_key:
+      rate = (self.counted - self.window[1]) / max(now - self.window[0], 1e-9)
+      self.window = (now, self.counted)
+      rec[f"{self.h.throughput_key}_per_s"] = rate
+    if log_now and self.h.annotate is not None:
+      rec |= self.h.annotate(rec)
+    self.result.history.append({"step": step, **rec})
+    if self.h.writer is not None:
+      self.h.writer.write(step, rec)
+    self.bar.update(1)
+    if log_now:
+      eta = (self.s.steps - step) * (now - self.t0) / max(step - self.result.start_step, 1)
+      skipped = f" skipped {self.result.skipped_steps}" if self.result.skipped_steps else ""
+      logging.info(
+        "[%s] step %d/%d %s%s eta %s", self.name, step, self.s.steps, self.h.describe(rec), skipped, _hms(eta)
+      )
+
+  def evaluate(self, step: int, state: Any) -> None:
+    if self.h.evaluate is None:
+      return
+    t = time.perf_counter()
+    metrics = self.h.evaluate(state)
+    self.result.evals.append({"step": step, **metrics})
+    if self.h.writer is not None:
+      self.h.writer.write(step, metrics)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    logging.info("[%s] eval @ step %d: %s (%.1fs)", self.name, step, shown, time.perf_counter() - t)
+
+  def finish(self) -> Result:
+    r = self.result
+    r.seconds = time.perf_counter() - self.t0
+    if len(self.done_at) > 1:
+      r.seconds_per_step = (self.done_at[-1] - self.done_at[0]) / (len(self.done_at) - 1)
+    if self.h.writer is not None:
+      self.h.writer.flush()
+    return r
+
+
+def fit(
+  state: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], schedule: Schedule, hooks: Hooks, *, name: str
+) -> tuple[Any, Result]:
+  """Trains from `state.step` to `schedule.steps`; returns (state, Result). See the module docstring."""
+  start = int(state.step)  # read before any donation (see the module docstring)
+  step, pending = start, None
+  with console.progress(schedule.steps, start, name) as bar, stop_on_signal(name) as stop:
+    run = _Run(schedule, hooks, name, start, bar)
+    if start == 0 and schedule.eval_at_start:
+      run.evaluate(0, state)
+    for s in range(start + 1, schedule.steps + 1):
+      if stop.requested:
+        break
+      try:
+        batch, host = hooks.next_batch(s, state)
+        t_dispatch = time.perf_counter()
+        state, metrics = step_fn(state, batch)  # dispatched; the previous step's metrics are read below
+      except Exception as e:
+        if not hooks.tolerate_failures:
+          raise
+        run.result.failed_steps += 1
+        logging.warning("[%s] step %d failed: %s: %s", name, s, type(e).__name__, str(e)[:300])
+        continue
+      step = s
+      if pending is not None:
+        run.record(*pending)
+      pending = (s, metrics, host, t_dispatch)
+      if hooks.sync or (_due(s, schedule.eval_every, schedule.steps) and hooks.evaluate is not None):
+        run.record(*pending)
+        pending = None
+      if _due(s, schedule.eval_every, schedule.steps) and hooks.evaluate is not None:
+        run.evaluate(s, state)
+      if hooks.save is not None and schedule.checkpoint_every > 0 and s % schedule.checkpoint_every == 0:
+        hooks.save(state, s, False)
+    if pending is not None:
+      run.record(*pending)
+    run.result.steps = step
+    run.result.interrupted = stop.requested and step < schedule.steps
+    if hooks.save is not None:
+      hooks.save(state, step, True)
+    return state, run.finish()
+
+
+def _hms(seconds: float) -> str:
+  """`m:ss`, or `h:mm:ss` from an hour."""
+  s = max(int(seconds), 0)
+  return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"

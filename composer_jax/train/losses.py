@@ -1,0 +1,57 @@
+"""Next-token log-probabilities and the masked (sum, count) losses built from them.
+
+Shape suffixes: B batch, T time, V vocab.
+
+Every loss here returns `(sum, count)`: summed over micro-batches and divided once, they give exactly the
+whole batch's mean (never a mean of per-micro-batch means). One log-prob function serves pretraining,
+SFT, RL and evaluation, so the alignment convention (logits at column t predict token t + 1) lives in
+one place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def next_token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+  """log p(tokens[:, t + 1] | tokens[:, ≤ t]) for t < T - 1, float32 [B, T - 1]."""
+  logp_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+
+
+def token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+  """log p(token t | < t) aligned with the tokens (column 0, which nothing predicts, is 0), [B, T]."""
+  return jnp.pad(next_token_logp(logits_BTV, tokens_BT), ((0, 0), (1, 0)))
+
+
+def masked_sum(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(Σ x where mask, number of masked-in entries), float32; masked-out entries may hold inf/NaN."""
+  m = mask > 0 if mask.dtype != jnp.bool_ else mask
+  return jnp.sum(jnp.where(m, x, 0.0)), jnp.sum(m).astype(jnp.float32)
+
+
+def document_mask(segment_ids_BT: jax.Array) -> jax.Array:
+  """[B, T - 1]: position t predicts t + 1 inside one document (same segment id, not padding 0)."""
+  nxt_BT = segment_ids_BT[:, 1:]
+  return (nxt_BT == segment_ids_BT[:, :-1]) & (nxt_BT != 0)
+
+
+def next_token_loss(
+  logits_BTV: jax.Array, tokens_BT: jax.Array, segment_ids_BT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """(Σ −log p(next token), counted tokens) within documents: packing never teaches the model to
+  predict across a document boundary."""
+  return masked_sum(-next_token_logp(logits_BTV, tokens_BT), document_mask(segment_ids_BT))
+
+
+def target_count(segment_ids_BT: jax.Array) -> jax.Array:
+  """How many targets `next_token_loss` counts (the whole batch's normaliser for micro-batches)."""
+  return jnp.sum(document_mask(segment_ids_BT)).astype(jnp.float32)
+
+
+def masked_target_loss(
+  logits_BTV: jax.Array, tokens_BT: jax.Array, target_mask_BT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """(Σ −log p(token t + 1) where target_mask[t] is set, number of targets): SFT on chosen tokens."""
+  return masked_sum(-next_token_logp(logits_BTV, tokens_BT), target_mask_BT[:, :-1] > 0)
