@@ -11,23 +11,19 @@ one line that names it and the nearest valid key. Values derived from others (th
 length, the RL model) are computed here in code, never stored, so an override of their source
 propagates.
 
-Nothing in `composer_jax` is imported here but `model/config.py` (ModelConfig and RopeConfig, re-exported):
-importing it loads jax and flax through the model package, but touches no backend, so `run.py` can
-still choose the device count afterwards.
+Nothing in `composer_jax` is imported here but `strict` (the generic conversion) and `model/config.py`
+(ModelConfig and RopeConfig, re-exported): importing it loads jax and flax through the model package, but
+touches no backend, so `run.py` can still choose the device count afterwards.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import hashlib
-import json
-import types
-import typing
-from collections.abc import Mapping
 from typing import Any
 
+from composer_jax import strict
 from composer_jax.model.config import ModelConfig, RopeConfig
+from composer_jax.strict import ConfigError, fingerprint, from_dict, plain, record, to_config_dict
 
 __all__ = [
   "CodingEnvConfig",
@@ -45,20 +41,18 @@ __all__ = [
   "SFTConfig",
   "SynthConfig",
   "TrainConfig",
+  "check_path",
   "fingerprint",
   "from_config",
   "from_dict",
   "optimizer_for",
+  "plain",
   "pretrain_optimizer",
   "record",
   "rl_model",
   "stage_optimizer",
   "to_config_dict",
 ]
-
-
-class ConfigError(ValueError):
-  """A config that cannot run: an unknown key, a wrong type, an impossible value. One line."""
 
 
 # --- sections ------------------------------------------------------------------------------------
@@ -204,6 +198,8 @@ class RLConfig:
   group_size: int = 8  # rollouts per problem (one group = one problem seed)
   objective: str = "drgrpo"  # rl.objectives.OBJECTIVES
   advantage: str = "drgrpo"  # rl.objectives.ADVANTAGES
+  tis_cap: float = 2.0  # truncated importance sampling against the sampler's log-probs: weight ≤ cap
+  # targeted text feedback
   lambda_feedback: float = 0.5  # 0: RL alone
   # "loss": + λ·D(student‖teacher) / its own token count; "advantage": λ·sg(log q − log p) joins the
   # flagged tokens' advantages. benchmarks/RESULTS.md has what each did.
@@ -216,19 +212,21 @@ class RLConfig:
   dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal leave the policy loss
   eval_every: int = 20  # the fixed problem set, at step 0 and every N steps; 0 off
   eval_problems: int = 64
+  # optimisation
   lr: float = 3e-4  # Muon: 1e-3 lowered the reward, 3e-4 with 32 x 8 rollouts raised it
   warmup_steps: int = 3  # a fresh optimizer state's first steps are its largest
+  router_bias_rate: float = 1e-3  # aux-loss-free balancing: the router bias moves by the batch's load
+  # sampling and episodes
   temperature: float = 1.0
   top_k: int = 0  # sampler top-k; 0 off
   max_turns: int = 6
   max_turn_tokens: int = 24  # sampled tokens per assistant turn
   cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
-  tis_cap: float = 2.0
+  # bookkeeping
   seed: int = 0
   log_every: int = 1
   checkpoint_every: int = 10
   keep_checkpoints: int = 1
-  router_bias_rate: float = 1e-3
   # R3 (arXiv 2510.11370): record the sampler's experts per token and replay them in the training forward.
   routing_replay: bool = False
   compare_without_feedback: bool = True  # stage rl: then the same run with lambda_feedback 0, same seeds
@@ -320,143 +318,11 @@ def rl_model(config: Config) -> ModelConfig:
   return dataclasses.replace(config.model, **config.rl.model)
 
 
-# --- records and fingerprints ----------------------------------------------------------------------
-
-
-def plain(c: Any) -> Any:
-  """JSON-able nested dicts of a dataclass, ConfigDict or mapping (tuples become lists)."""
-  if dataclasses.is_dataclass(c) and not isinstance(c, type):
-    c = dataclasses.asdict(c)
-  elif hasattr(c, "to_dict"):
-    c = c.to_dict()
-  return json.loads(json.dumps(c, sort_keys=True, default=str))
-
-
-def record(**configs: Any) -> dict:
-  """{name: plain fields} of the configs a checkpoint or a finished stage depends on."""
-  return {name: plain(c) for name, c in configs.items()}
-
-
-def fingerprint(rec: dict) -> str:
-  """A short stable hash of a record (sorted JSON)."""
-  return hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# --- dataclasses <-> ConfigDict --------------------------------------------------------------------
-
-
-def _hints(cls: type) -> dict[str, Any]:
-  return typing.get_type_hints(cls)
-
-
-def _optional_base(tp: Any) -> Any | None:
-  """T for `T | None` (or Optional[T]); None for anything else."""
-  if typing.get_origin(tp) in (typing.Union, types.UnionType):
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if len(args) == 1 and len(typing.get_args(tp)) == 2:
-      return args[0]
-  return None
-
-
-def to_config_dict(config: Any) -> Any:
-  """A dataclass as a nested `ConfigDict`; unset `T | None` fields become typed placeholders, so that
-  `--config.section.field=value` can still set them."""
-  from ml_collections import ConfigDict, config_dict
-
-  out = ConfigDict()
-  hints = _hints(type(config))
-  for f in dataclasses.fields(config):
-    value = getattr(config, f.name)
-    if dataclasses.is_dataclass(value):
-      out[f.name] = to_config_dict(value)
-    elif isinstance(value, dict):
-      out[f.name] = ConfigDict(value)
-    elif value is None:
-      base = _optional_base(hints[f.name])
-      out[f.name] = config_dict.placeholder(base if isinstance(base, type) else object)
-    else:
-      out[f.name] = value
-  return out
-
-
 def from_config(cd: Any) -> Config:
-  """The `Config` of an experiment's ConfigDict (or nested dict); strict (see `from_dict`)."""
-  if isinstance(cd, Config):
-    return cd
-  return from_dict(Config, plain(cd) if not isinstance(cd, Mapping) else dict(cd))
+  """The `Config` of an experiment's ConfigDict (or nested dict); strict (see `strict.from_dict`)."""
+  return cd if isinstance(cd, Config) else from_dict(Config, plain(cd))
 
 
-def from_dict(cls: type, values: Mapping[str, Any], path: str = "") -> Any:
-  """`cls(**values)` with nested dataclasses built the same way; missing keys take the defaults.
-
-  Raises ConfigError on an unknown key (naming it and the nearest valid one), a value of the wrong type,
-  or a value the dataclass rejects (its own checks, e.g. ModelConfig's).
-  """
-  if hasattr(values, "to_dict"):
-    values = values.to_dict()
-  if not isinstance(values, Mapping):
-    raise ConfigError(f"{path.rstrip('.') or 'config'} must be a section (a mapping), got {values!r}")
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  hints = _hints(cls)
-  kwargs = {}
-  for key, value in values.items():
-    if key not in fields:
-      raise ConfigError(f"unknown config key '{path}{key}'{_nearest(key, list(fields), path)}")
-    overridden = fields[key].metadata.get("overrides")
-    if overridden is not None:  # a partial section: its keys must be fields of `overridden`
-      _check_keys(overridden, value, f"{path}{key}.")
-    kwargs[key] = _coerce(hints[key], value, f"{path}{key}")
-  try:
-    return cls(**kwargs)
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"{path.rstrip('.') or 'config'}: {e}") from e
-
-
-def check_path(dotted: str, cls: type = Config, prefix: str = "") -> None:
-  """Raises ConfigError when `dotted` (e.g. "rl.stepz") names no field of `cls`, nested sections and
-  partial sections (`rl.model`) included; the message names the key and the nearest valid one."""
-  head, _, rest = dotted.partition(".")
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  if head not in fields:
-    raise ConfigError(f"unknown config key '{prefix}{dotted}'{_nearest(head, list(fields), prefix)}")
-  hint = _hints(cls)[head]
-  tp = fields[head].metadata.get("overrides") or _optional_base(hint) or hint
-  if rest and dataclasses.is_dataclass(tp):
-    check_path(rest, tp, f"{prefix}{head}.")
-
-
-def _nearest(key: str, names: list[str], path: str) -> str:
-  close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-  return f"; did you mean '{path}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
-
-
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-  """The value as the field's type: nested dataclasses built, lists → tuples, ints → floats."""
-  base = _optional_base(tp)
-  if base is not None:
-    return None if value is None else _coerce(base, value, where)
-  if dataclasses.is_dataclass(tp):
-    return value if isinstance(value, tp) else from_dict(tp, value, f"{where}.")
-  origin = typing.get_origin(tp)
-  if origin is dict:
-    return dict(value.to_dict() if hasattr(value, "to_dict") else value)
-  if origin is tuple:
-    if not isinstance(value, list | tuple):
-      raise ConfigError(f"{where} must be a tuple, got {value!r}")
-    return tuple(value)
-  if origin is typing.Literal:
-    if value not in typing.get_args(tp):
-      raise ConfigError(f"{where}={value!r}: must be one of {', '.join(map(repr, typing.get_args(tp)))}")
-    return value
-  if tp is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  if isinstance(tp, type) and tp is not Any and not isinstance(value, tp):
-    raise ConfigError(f"{where}={value!r}: expected {tp.__name__}, got {type(value).__name__}")
-  return value
-
-
-def _check_keys(cls: type, value: Any, path: str) -> None:
-  names = [f.name for f in dataclasses.fields(cls)]
-  for key in value.to_dict() if hasattr(value, "to_dict") else value:
-    if key not in names:
-      raise ConfigError(f"unknown config key '{path}{key}'{_nearest(key, names, path)}")
+def check_path(dotted: str) -> None:
+  """ConfigError when a `--config.` override path (e.g. "rl.stepz") names no field of `Config`."""
+  strict.check_path(dotted, Config)

@@ -1,6 +1,7 @@
 """The config layer: dataclasses are the one source of defaults, conversion round-trips, unknown keys
 anywhere fail with one line naming the key, and run.py reports bad input in one line before any work."""
 
+import dataclasses
 import importlib.util
 import pathlib
 import subprocess
@@ -25,12 +26,12 @@ def test_every_variant_round_trips_and_sets_every_section(variant):
   cd = _experiment().get_config(variant)
   config = configs.from_config(cd)
   assert configs.to_config_dict(config).to_dict() == cd.to_dict()
-  assert set(cd) == {f.name for f in configs.dataclasses.fields(configs.Config)}
+  assert set(cd) == {f.name for f in dataclasses.fields(configs.Config)}
 
 
 def test_tiny_is_the_dataclass_defaults_but_the_model():
   tiny = configs.from_config(_experiment().get_config("tiny"))
-  assert configs.dataclasses.replace(tiny, model=configs.ModelConfig()) == configs.Config()
+  assert dataclasses.replace(tiny, model=configs.ModelConfig()) == configs.Config()
 
 
 def test_an_override_of_an_optional_field_is_typed():

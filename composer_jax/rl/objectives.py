@@ -229,29 +229,22 @@ def policy_loss(
 
 
 def policy_metrics(
-  logp_BT: jax.Array,
-  old_logp_BT: jax.Array,
-  advantages: jax.Array,
-  mask_BT: jax.Array,
-  *,
-  objective: str,
-  sampler_logp: jax.Array | None = None,
-  eps_low: float | None = None,
-  eps_high: float | None = None,
-  tis_cap: float = 2.0,
-  **unused,
+  logp_BT: jax.Array, old_logp_BT: jax.Array, advantages: jax.Array, mask_BT: jax.Array, **kw
 ) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """Diagnostics as {name: (sum, count)} (sum the pairs over micro-batches, divide once).
+  """Diagnostics as {name: (sum, count)} (sum the pairs over micro-batches, divide once); takes
+  `policy_loss`'s keyword arguments (max_len is not used), so one **kw serves both.
 
   clip_frac: tokens whose objective term is clipped (PPO family: the clipped branch is active, so the
     token gets no gradient; CISPO: the IS weight is truncated; GSPO: per sequence).
   ratio: mean π_θ/π_old per token (GSPO: the sequence ratio s per sequence).
   approx_kl: k3 estimate of KL(π_old‖π_θ), (r - 1) - log r per token (Schulman 2020).
   With sampler_logp: tis_weight (mean truncated-IS weight) and tis_capped (fraction at the cap).
-  Extra keyword arguments accepted by policy_loss (max_len) are ignored, so one **kw serves both.
   """
-  del unused
-  o, lo, hi = _objective(objective, eps_low, eps_high)
+  kw.pop("max_len", None)
+  sampler_logp, tis_cap = kw.pop("sampler_logp", None), kw.pop("tis_cap", 2.0)
+  o, lo, hi = _objective(kw.pop("objective"), kw.pop("eps_low", None), kw.pop("eps_high", None))
+  if kw:
+    raise TypeError(f"policy_metrics got unexpected keyword arguments {sorted(kw)}")
   m_BT, _, log_ratio_BT, adv_BT, w_BT = _prepare(
     logp_BT, old_logp_BT, advantages, mask_BT, sampler_logp, tis_cap
   )
