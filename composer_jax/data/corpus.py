@@ -24,6 +24,7 @@ import grain
 import jax
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 from jax.experimental import multihost_utils
 
 from composer_jax.data.tokenizer import Tokenizer
@@ -124,17 +125,17 @@ def build_corpus(
   builder = StdlibCode(**kwargs)
   if builder.is_prepared():
     if verbose:
-      print(f"stdlib_code: reusing {builder.data_dir}", flush=True)
+      logging.info("[corpus] stdlib_code: reusing %s", builder.data_dir)
   else:
     if verbose:
-      print(f"stdlib_code: building from {builder._src_dir} into {builder.data_dir} ...", flush=True)
+      logging.info("[corpus] stdlib_code: building from %s into %s ...", builder._src_dir, builder.data_dir)
     t0 = time.perf_counter()
     builder.download_and_prepare()
     if verbose:
       splits = builder.info.splits
       sizes = ", ".join(f"{s} {splits[s].num_examples} files" for s in SPLITS)
       mb = sum(splits[s].num_bytes for s in SPLITS) / 1e6
-      print(f"stdlib_code: built {sizes}, {mb:.1f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
+      logging.info("[corpus] stdlib_code: built %s, %.1f MB in %.1f s", sizes, mb, time.perf_counter() - t0)
   if multi:
     multihost_utils.sync_global_devices("build_corpus")  # the others may read it now
   return {split: ds for split, ds in builder.as_data_source().items()}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -169,6 +170,11 @@ def _objective(name: str, eps_low: float | None, eps_high: float | None) -> tupl
 
 def _prepare(logp_BT, old_logp_BT, advantages, mask_BT, sampler_logp_BT, tis_cap):
   """Masked, clamped log-ratio, per-token advantages and detached TIS weights (1 without a sampler)."""
+  chex.assert_rank(logp_BT, 2)
+  chex.assert_equal_shape(
+    [logp_BT, old_logp_BT, mask_BT] + ([] if sampler_logp_BT is None else [sampler_logp_BT])
+  )
+  chex.assert_equal_shape_prefix([logp_BT, advantages], advantages.ndim)
   m_BT = mask_BT > 0
   # Zero masked entries before any arithmetic: padding may hold -inf/NaN, and a masked token must
   # receive an exactly-zero gradient.

@@ -15,37 +15,18 @@ every process sees (GCS, a shared file system).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import pathlib
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from composer_jax.strict import fingerprint
 from composer_jax.train.state import TrainState
 
 
 class CheckpointError(RuntimeError):
   pass
-
-
-def config_record(**configs: Any) -> dict:
-  """JSON-able {name: fields} of the configs a checkpoint must match (dataclasses or ConfigDicts)."""
-
-  def plain(c: Any) -> Any:
-    if dataclasses.is_dataclass(c):
-      c = dataclasses.asdict(c)
-    elif hasattr(c, "to_dict"):
-      c = c.to_dict()
-    return json.loads(json.dumps(c, sort_keys=True, default=str))
-
-  return {name: plain(c) for name, c in configs.items()}
-
-
-def fingerprint(record: dict) -> str:
-  return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:

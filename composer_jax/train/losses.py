@@ -10,12 +10,16 @@ one place.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
 
 def next_token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
   """log p(tokens[:, t + 1] | tokens[:, ≤ t]) for t < T - 1, float32 [B, T - 1]."""
+  chex.assert_rank([logits_BTV, tokens_BT], [3, 2])
+  chex.assert_equal_shape_prefix([logits_BTV, tokens_BT], 2)
+  chex.assert_type(tokens_BT, int)
   logp_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
   return jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
 
@@ -27,6 +31,7 @@ def token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
 
 def masked_sum(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(Σ x where mask, number of masked-in entries), float32; masked-out entries may hold inf/NaN."""
+  chex.assert_equal_shape([x, mask])
   m = mask > 0 if mask.dtype != jnp.bool_ else mask
   return jnp.sum(jnp.where(m, x, 0.0)), jnp.sum(m).astype(jnp.float32)
 
