@@ -41,9 +41,13 @@ __all__ = [
   "SFTConfig",
   "SynthConfig",
   "TrainConfig",
+  "check_batch",
+  "check_meshes",
   "check_path",
+  "CADENCE",
   "fingerprint",
   "from_config",
+  "identity",
   "from_dict",
   "optimizer_for",
   "plain",
@@ -100,6 +104,7 @@ class TrainConfig:
   router_bias_rate: float = 1e-3  # DeepSeek-V3 §2.1.2 bias update speed γ
   peak_flops: float = 180e9  # for MFU: ~2 XLA:CPU cores; H100/H200 bf16 dense ~989e12
   grad_accum: int = 1  # micro-batches per step (batch_size/grad_accum divisible by replica·fsdp)
+  max_skipped_in_a_row: int = 10  # non-finite steps in a row that stop the run (unsaved); 0: never
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +313,17 @@ def stage_optimizer(
   )
 
 
+# Fields that say how long or how often, not what is trained: a checkpoint is continued across a change
+# of these (an extended run), so they stay out of the records that checkpoints are matched on.
+CADENCE = ("steps", "total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
+CADENCE += ("eval_problems", "eval_batches", "compare_without_feedback")
+
+
+def identity(section: Any) -> dict:
+  """A section's fields as a plain dict without its `CADENCE` fields (what a checkpoint must match)."""
+  return {k: v for k, v in plain(section).items() if k not in CADENCE}
+
+
 def pretrain_optimizer(config: Config) -> OptimizerConfig:
   """The pretrain stage's optimizer: `config.optim` over `train.steps` unless `total_steps` is set."""
   return optimizer_for(config.optim, config.train.steps)
@@ -316,6 +332,28 @@ def pretrain_optimizer(config: Config) -> OptimizerConfig:
 def rl_model(config: Config) -> ModelConfig:
   """The small one-device model of the sft and rl stages: `config.model` with `config.rl.model`."""
   return dataclasses.replace(config.model, **config.rl.model)
+
+
+def check_meshes(config: Config) -> None:
+  """The two meshes cover the same devices, and the batch and sequence split over them evenly."""
+  import math
+
+  dense, expert = config.mesh.dense, config.mesh.expert
+  if math.prod(dense) != math.prod(expert):
+    raise ConfigError(
+      f"mesh.dense {dense} has {math.prod(dense)} devices but mesh.expert {expert} has {math.prod(expert)}: "
+      "both meshes lay out the same devices"
+    )
+
+
+def check_batch(name: str, batch: int, seq: int, config: Config, micro: int = 1) -> None:
+  """`batch` rows split over replica·fsdp (after `micro` micro-batches), `seq` over context."""
+  replica, fsdp, context = config.mesh.dense
+  if batch % micro or (batch // micro) % (replica * fsdp):
+    per = f"batch / grad_accum = {batch}/{micro}" if micro > 1 else f"{batch} rows"
+    raise ConfigError(f"{name}: {per} must be divisible by replica·fsdp = {replica * fsdp} (mesh.dense)")
+  if seq % context:
+    raise ConfigError(f"{name}: length {seq} must be divisible by context = {context} (mesh.dense)")
 
 
 def from_config(cd: Any) -> Config:

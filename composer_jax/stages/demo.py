@@ -136,9 +136,17 @@ def _lines(r: dict) -> list[str]:
   return [f"  forward loss {r['loss']:.3f} vs uniform {r['uniform_loss']:.3f}"]
 
 
+def _check(config: Config) -> None:
+  from composer_jax import configs
+
+  configs.check_meshes(config)
+  configs.check_batch("demo.batch / demo.prompt_len", config.demo.batch, config.demo.prompt_len, config)
+
+
 STAGE = Stage(
   name="demo",
   run=run,
+  check=_check,
   doc="build the sharded model on both meshes, print the parameter table, one forward pass, greedy decoding",
   depends=("seed", "model", "mesh", "demo"),
   outputs=("demo.json",),
