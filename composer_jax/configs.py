@@ -53,6 +53,7 @@ __all__ = [
   "plain",
   "pretrain_optimizer",
   "record",
+  "resolve",
   "rl_model",
   "stage_optimizer",
   "to_config_dict",
@@ -275,6 +276,10 @@ class Config:
   stages: str = "pretrain,synth,sft,rl"  # comma-separated, run in order; a rerun skips finished ones
   force: str = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs moved aside
   workdir: str | None = None  # None: run.py's --workdir, else runs/<variant>
+  # A Hugging Face DeepseekV3 / Kimi-K2 checkpoint directory (config.json + safetensors): its architecture
+  # replaces model's shapes (model's how-to-compute fields stay), demo and pretrain start from its weights,
+  # and its tokenizer.json, when present, is the data tokenizer.
+  init_from: str | None = None
   mesh: MeshConfig = MeshConfig()
   model: ModelConfig = ModelConfig()
   demo: DemoConfig = DemoConfig()
@@ -332,6 +337,34 @@ def pretrain_optimizer(config: Config) -> OptimizerConfig:
 def rl_model(config: Config) -> ModelConfig:
   """The small one-device model of the sft and rl stages: `config.model` with `config.rl.model`."""
   return dataclasses.replace(config.model, **config.rl.model)
+
+
+# ModelConfig fields that say how to compute, not what: kept from `model` when `init_from` sets the shapes.
+_COMPUTE_FIELDS = ("dtype", "param_dtype", "expert_impl", "expert_block", "capacity_factor", "dispatch")
+_COMPUTE_FIELDS += ("router_aux_loss_coef", "remat", "init_std")
+
+
+def resolve(config: Config) -> Config:
+  """`config` with what `init_from` implies filled in: the checkpoint's model shapes and tokenizer."""
+  if not config.init_from:
+    return config
+  import json
+  import pathlib
+
+  d = pathlib.Path(config.init_from)
+  if not (d / "config.json").is_file():
+    raise ConfigError(
+      f"init_from {str(d)!r} has no config.json: point it at a Hugging Face checkpoint directory"
+    )
+  compute = {k: getattr(config.model, k) for k in _COMPUTE_FIELDS}
+  try:
+    model = ModelConfig.from_hf(json.loads((d / "config.json").read_text()), **compute)
+  except ValueError as e:
+    raise ConfigError(f"init_from {str(d)!r}: {e}") from None
+  data = config.data
+  if (d / "tokenizer.json").is_file():
+    data = dataclasses.replace(data, tokenizer=str(d))
+  return dataclasses.replace(config, model=model, data=data)
 
 
 def check_meshes(config: Config) -> None:

@@ -44,7 +44,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   An interrupt (SIGINT, SIGTERM; a training loop saves first) raises `stages.Interrupted` naming the stage,
   after the summary of what finished.
   """
-  config = configs.from_config(config)
+  config = configs.resolve(configs.from_config(config))
   names = parse_stages(config.stages)
   force = _parse_force(config.force, names)
   for name in names:  # every selected stage's config problems, before any stage starts

@@ -220,3 +220,12 @@ def test_bad_workdir_and_config_conflicts_are_one_line(corpus_dir, tmp_path):
   p = _run(tmp_path / "w2", str(small))
   assert p.returncode == 2 and "split got none" in p.stderr.strip().splitlines()[-1]
   shutil.rmtree(tmp_path / "w2", ignore_errors=True)
+
+
+def test_one_device(corpus_dir, tmp_path):
+  """The README's single-device flags: both meshes of size 1 (run.py then makes one CPU device)."""
+  one = ["--config.mesh.dense=(1,1,1)", "--config.mesh.expert=(1,1)", "--config.train.steps=2"]
+  p = _run(tmp_path, corpus_dir, *one)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "1 local of 1 cpu devices" in p.stderr
+  assert json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"]["steps"] == 2

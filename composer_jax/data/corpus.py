@@ -14,7 +14,9 @@ split does not depend on the file listing order or count.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -161,7 +163,9 @@ def build_corpus(
     if verbose:
       logging.info("[corpus] stdlib_code: building from %s into %s ...", builder._src_dir, builder.data_dir)
     t0 = time.perf_counter()
-    builder.download_and_prepare()
+    tfds.disable_progress_bar()  # a few seconds of build: our own lines say what happens
+    with contextlib.redirect_stdout(io.StringIO()):  # tfds prints "Downloading and preparing..." itself
+      builder.download_and_prepare()
     if verbose:
       splits = builder.info.splits
       sizes = ", ".join(f"{s} {splits[s].num_examples} files" for s in SPLITS)

@@ -30,7 +30,10 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   logging.info("[demo] meshes: %s", sharding.describe(meshes))
 
   t0 = time.perf_counter()
-  params = jax.block_until_ready(model.init(cfg, jax.random.key(config.seed), meshes))
+  if config.init_from:
+    params = jax.block_until_ready(model.load_hf_checkpoint(config.init_from, cfg, meshes))
+  else:
+    params = jax.block_until_ready(model.init(cfg, jax.random.key(config.seed), meshes))
   logging.info("[demo] init: %.1fs", time.perf_counter() - t0)
   logging.info("[demo] parameters:\n%s", param_table(params, model.logical_axes(cfg)))
 
@@ -148,7 +151,7 @@ STAGE = Stage(
   run=run,
   check=_check,
   doc="build the sharded model on both meshes, print the parameter table, one forward pass, greedy decoding",
-  depends=("seed", "model", "mesh", "demo"),
+  depends=("seed", "model", "mesh", "demo", "init_from"),
   outputs=("demo.json",),
   summarize=_summarize,
   lines=_lines,

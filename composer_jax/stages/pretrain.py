@@ -38,7 +38,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   tok = tokenizer.load(d.tokenizer)
 
   tx = optim.build_optimizer(cfg, ocfg, meshes)
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
+  state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes, initial_params(config, meshes))
   record = configs.record(
     model=dataclasses.replace(cfg, remat="none"),  # how to compute, not what: free to change on resume
     optim=configs.identity(ocfg),  # the schedule's horizon is not part of it: `train.steps` may grow
@@ -75,6 +75,17 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   pathlib.Path(workdir, "pretrain.json").write_text(json.dumps(summary, indent=1))
   logging.info("[pretrain] %s", _line(summary))
   return summary
+
+
+def initial_params(config: Config, meshes: sharding.Meshes | None) -> Any:
+  """The `init_from` checkpoint's weights on `meshes` (None: a fresh init). Read only when there is no
+  checkpoint of this run to resume, but cheap to skip: the arrays are memory-mapped until placed."""
+  if not config.init_from:
+    return None
+  from composer_jax import model
+
+  logging.info("[pretrain] starting from the Hugging Face checkpoint %s", config.init_from)
+  return model.load_hf_checkpoint(config.init_from, config.model, meshes)
 
 
 def _whole_run(jsonl: pathlib.Path) -> dict:
@@ -127,8 +138,11 @@ def _check(config: Config) -> None:
   if t.grad_accum < 1:
     raise configs.ConfigError(f"train.grad_accum must be >= 1, got {t.grad_accum}")
   name = config.data.tokenizer
-  if name not in ("byte", "bpe") and not pathlib.Path(name).is_file():
-    raise configs.ConfigError(f"data.tokenizer {name!r}: use 'byte', 'bpe' or a tokenizers json file")
+  path = pathlib.Path(name)
+  if name not in ("byte", "bpe") and not path.is_file() and not (path / "tokenizer.json").is_file():
+    raise configs.ConfigError(
+      f"data.tokenizer {name!r}: use 'byte', 'bpe', a tokenizers json file or a directory with tokenizer.json"
+    )
   vocab = tokenizer.load(name).vocab_size
   if vocab > config.model.vocab_size:
     raise configs.ConfigError(
@@ -143,7 +157,7 @@ STAGE = Stage(
   run=run,
   check=_check,
   doc="next-token training on the stdlib corpus, sharded Muon + AdamW, checkpoints and metrics",
-  depends=("seed", "model", "train", "optim", "data"),
+  depends=("seed", "model", "train", "optim", "data", "init_from"),
   outputs=("checkpoints", "metrics", "pretrain.json"),
   summarize=_summarize,
   lines=_lines,

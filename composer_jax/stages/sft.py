@@ -129,6 +129,11 @@ def _lines(r: dict) -> list[str]:
 
 
 def _check(config: Config) -> None:
+  if config.init_from:
+    raise configs.ConfigError(
+      "init_from starts demo and pretrain from a checkpoint; the sft and rl stages train the small "
+      "byte-level chat model (rl.model): run them in a run without init_from"
+    )
   try:
     configs.rl_model(config)
   except ValueError as e:
