@@ -93,8 +93,8 @@ def validate(
     if after.result.timed_out:
       return Validation(False, "timeout")
     out = after.result.stdout
-    if after.result.returncode in (2, 3, 4) or "during collection" in out or not after.report_found:
-      return Validation(False, "collection_breaks", detail=out[-500:])
+    if after.result.returncode in (2, 3, 4) or after.collect_errors or not after.report_found:
+      return Validation(False, "collection_breaks", detail=", ".join(after.collect_errors) + out[-500:])
     f2p = tuple(t for t in base.passing if after.outcomes.get(t) != baseline.PASSED)
     p2p = tuple(t for t in base.passing if after.outcomes.get(t) == baseline.PASSED)
     if not f2p:
