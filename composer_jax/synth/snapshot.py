@@ -39,6 +39,13 @@ def _kind(mode: int) -> str:
   return "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file"
 
 
+def _readlink(name: str, dfd: int) -> str:
+  try:
+    return os.readlink(name, dir_fd=dfd)[:200]
+  except OSError:
+    return "?"
+
+
 class _Reader:
   def __init__(self, expected_sizes: Mapping[str, int], max_file: int, max_total: int, max_files: int):
     self.expected, self.max_file, self.max_total, self.max_files = (
@@ -67,6 +74,8 @@ class _Reader:
       self.stamps[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
       if stat.S_ISDIR(st.st_mode):
         self._dir(dfd, e.name, rel, depth)
+      elif stat.S_ISLNK(st.st_mode):
+        self.refused[rel] = f"symlink -> {_readlink(e.name, dfd)}"
       elif not stat.S_ISREG(st.st_mode):
         self.refused[rel] = _kind(st.st_mode)
       else:
