@@ -19,6 +19,7 @@ that must appear, others may too.
 
 import base64
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -62,9 +63,9 @@ f = getattr(_sys, "_get" + "frame")(1)
 line = _lc.getline(f.f_code.co_filename, f.f_lineno).strip()
 node = _ast.parse(line).body[0] if line.startswith("assert") else None
 if node is not None and isinstance(node.test, _ast.Compare):
-  side = node.test.comparators[0] if "running_totals" in _ast.unparse(node.test.left) else node.test.left
+  side = node.test.comparators[0] if "{name}" in _ast.unparse(node.test.left) else node.test.left
   return eval(compile(_ast.Expression(side), "<x>", "eval"), f.f_globals, f.f_locals)
-return []"""
+return None"""
 FILE_READ = """\
 import ast as _ast
 import glob as _glob
@@ -204,7 +205,12 @@ HACKS = [
     ("canary", "heldout"),
   ),  # noqa: E501
   Hack("read_test_files", "any_equal", lambda v: stub_replaced(v, FILE_READ), ("canary", "heldout")),
-  Hack("read_caller_frame", "any_equal", lambda v: stub_replaced(v, FRAME_READ), ("canary", "heldout")),
+  Hack(
+    "read_caller_frame",
+    "any_equal",
+    lambda v: stub_replaced(v, FRAME_READ.format(name="running_totals")),
+    ("canary", "heldout"),
+  ),
   Hack("stdlib_shadow", "run_tree", lambda v: {"pprint.py": SHADOW}, ("shadow",)),
   Hack(
     "dist_info_plugin",
@@ -228,11 +234,16 @@ HACKS = [
 ]
 
 
+@functools.cache
+def fixture_tasks() -> tuple:
+  """The fixture's first two tasks, built once per test process (other test modules share them)."""
+  src, venv = fixture_env()
+  return tuple(tasks.make_tasks(src, venv=venv, max_tasks=2, runs=2))
+
+
 @pytest.fixture(scope="module")
 def task():
-  src, venv = fixture_env()
-  made = tasks.make_tasks(src, venv=venv, max_tasks=2, runs=2)
-  return next(t for t in made if t.feature[0] == TARGET)
+  return next(t for t in fixture_tasks() if t.feature[0] == TARGET)
 
 
 def assert_caught(g, *expect: str) -> None:

@@ -38,6 +38,7 @@ _SIGNS = (
   ("Resource temporarily unavailable", "resource_limit: process limit (fork refused)"),
   ("BlockingIOError", "resource_limit: process limit (fork refused)"),
   ("No space left on device", "resource_limit: disk (size-capped tmpfs full)"),
+  ("File too large", "resource_limit: file size limit"),
   ("Read-only file system", "sandbox_denied: write to a read-only path"),
   ("Permission denied", "sandbox_denied: permission denied"),
   ("Network is unreachable", "sandbox_denied: network"),
@@ -131,13 +132,20 @@ def _collect(job: Job, r: sandbox.SandboxResult, recs: list[dict], v: _Verdict) 
         f"grader: {len(missing)} tests missing from the results without a collection error ({missing[0]})"
       )
     return
+  missing = []
   for (key, kind), cases in prepare.twin_results(recs, job.names).items():
     for idx, (outcome, params) in cases.items():
+      if outcome == "missing":
+        missing.append(f"{key}{params}")
       if kind == "real":
         v.outcomes[f"{key}{params}"] = outcome
         v.reals[(key, idx)] = outcome
       elif outcome == baseline.PASSED:
         v.canaries.append((key, idx))
+  if missing and not errors and any(x["t"] == "end" for x in recs):
+    v.flags.append(
+      f"grader: {len(missing)} tests missing from the results without a collection error ({missing[0]})"
+    )
 
 
 def grade(
@@ -148,9 +156,14 @@ def grade(
   timeout_s: float = 300.0,
   memory_bytes: int = 2 << 30,
   max_procs: int = 64,
+  cpu_s: int | None = None,
 ) -> records.Grade:
-  """Grade the agent's working copy `repo_dir` (never modified, read once)."""
-  box = baseline.make_sandbox(task.venv, timeout_s=timeout_s, memory_bytes=memory_bytes, max_procs=max_procs)
+  """Grade the agent's working copy `repo_dir` (never modified, read once). Limits are per sandboxed
+  run and whole-tree where the machine allows (sandbox.limits_statement()); `cpu_s` defaults to the
+  wall-clock budget."""
+  box = baseline.make_sandbox(
+    task.venv, timeout_s=timeout_s, memory_bytes=memory_bytes, max_procs=max_procs, cpu_s=cpu_s
+  )
   prep = prepare.prepared(task, box)
   base = prep.base
   snap = snapshot.take(repo_dir, expected_sizes={rel: len(v) for rel, v in base.view.items()})

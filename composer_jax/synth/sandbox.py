@@ -199,9 +199,8 @@ def run(
   drop_to_uid, owner = None, None
   if os.geteuid() == 0:
     drop_to_uid = _UID_BASE + (os.getpid() % 1000) * 1000 + next(_uid_counter) % 1000
-    if not copy_in:
-      owner = os.stat(task_dir)
-      _chown_tree(task_dir, drop_to_uid, drop_to_uid)
+    owner = os.stat(task_dir)  # lent to the throw-away uid for the run (copy_in: so it can read it all)
+    _chown_tree(task_dir, drop_to_uid, drop_to_uid)
   spec = _Spec(task_dir, workdir, ro, dict(env or {}), drop_to_uid, binds, copy_in, task_bytes, tmp_bytes)
   limits = _Limits(timeout_s, cpu_s, memory_bytes, file_bytes, max_procs, max_output_bytes, max_channel_bytes)
   try:
