@@ -28,23 +28,15 @@ _DENIED = (
   "unshare setns ptrace process_vm_readv process_vm_writev bpf userfaultfd perf_event_open keyctl add_key "
   "request_key mount umount2 pivot_root open_tree move_mount fsopen fsmount mount_setattr"
 ).split()
-_ARCHES = {
-  "x86_64": (
-    0xC000003E,
-    dict(
-      unshare=272, setns=308, clone=56, clone3=435, ptrace=101, process_vm_readv=310, process_vm_writev=311,
-      bpf=321, userfaultfd=323, perf_event_open=298, keyctl=250, add_key=248, request_key=249, mount=165,
-      umount2=166, pivot_root=155, open_tree=428, move_mount=429, fsopen=430, fsmount=432, mount_setattr=442,
-    ),
-  ),
-  "aarch64": (
-    0xC00000B7,
-    dict(
-      unshare=97, setns=268, clone=220, clone3=435, ptrace=117, process_vm_readv=270, process_vm_writev=271,
-      bpf=280, userfaultfd=282, perf_event_open=241, keyctl=219, add_key=217, request_key=218, mount=40,
-      umount2=39, pivot_root=41, open_tree=428, move_mount=429, fsopen=430, fsmount=432, mount_setattr=442,
-    ),
-  ),
+_AUDIT = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+# name: (x86_64 number, aarch64 number)
+_NR = {
+  "unshare": (272, 97), "setns": (308, 268), "clone": (56, 220), "clone3": (435, 435), "ptrace": (101, 117),
+  "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "bpf": (321, 280),
+  "userfaultfd": (323, 282),
+  "perf_event_open": (298, 241), "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+  "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "open_tree": (428, 428),
+  "move_mount": (429, 429), "fsopen": (430, 430), "fsmount": (432, 432), "mount_setattr": (442, 442),
 }  # fmt: skip
 
 
@@ -58,15 +50,16 @@ def machine() -> str:
 
 
 def supported(arch: str | None = None) -> bool:
-  return (arch or machine()) in _ARCHES
+  return (arch or machine()) in _AUDIT
 
 
 def program(arch: str | None = None) -> bytes:
   """The filter as `struct sock_filter[]` bytes for `arch` (default: this machine's); ValueError if none."""
   arch = arch or machine()
-  if arch not in _ARCHES:
+  if arch not in _AUDIT:
     raise ValueError(f"no seccomp filter for architecture {arch!r}")
-  audit, nr = _ARCHES[arch]
+  audit, col = _AUDIT[arch], list(_AUDIT).index(arch)
+  nr = {name: nums[col] for name, nums in _NR.items()}
   eperm, enosys = _ERRNO | errno.EPERM, _ERRNO | errno.ENOSYS
   out = [_insn(_LD_W_ABS, 4), _insn(_JEQ, audit, 1, 0), _insn(_RET, eperm), _insn(_LD_W_ABS, 0)]
   if arch == "x86_64":

@@ -11,10 +11,9 @@ so a `Counter` of them is a yield report.
 import dataclasses
 import os
 import pathlib
-import subprocess
 import tempfile
 
-from composer_jax.synth import baseline, deletion, features, sandbox
+from composer_jax.synth import baseline, deletion, features, sandbox, sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,16 +50,8 @@ def apply_patch(root: str | os.PathLike, patch: str) -> None:
   """`git apply` a unified diff (paths a/ b/) to a plain directory; raises on a non-applying hunk."""
   if not patch:
     return
-  proc = subprocess.run(
-    ["git", "apply", "--whitespace=nowarn", "-p1", "-"],
-    cwd=root,
-    input=patch,
-    text=True,
-    capture_output=True,
-    check=False,
-  )
-  if proc.returncode != 0:
-    raise ValueError(f"patch does not apply: {proc.stderr[-1000:]}")
+  cmd = ["git", "apply", "--whitespace=nowarn", "-p1", "-"]
+  sources.run_checked(cmd, "git apply (the patch does not apply)", ValueError, input=patch, cwd=root)
 
 
 def validate(
