@@ -99,8 +99,10 @@ def _run_flags(job: Job, r: sandbox.SandboxResult, recs: list[dict]) -> list[str
     flags.append(
       f"grader: no_report ({job.role} run, rc {r.returncode}: ended before the runner reported its end)"
     )
-  elif end is not None and end.get("rc") in (3, 4):
-    flags.append(f"grader: pytest internal or usage error in the {job.role} run (rc {end.get('rc')})")
+  elif end is not None and end.get("rc") in (3, 4):  # pytest's internal/usage error, or the runner's own
+    flags.append(
+      f"grader: the {job.role} run ended abnormally (rc {end.get('rc')}: an exit or error outside any test)"
+    )
   text = r.stdout + r.stderr
   for sign, flag in _SIGNS:
     if sign in text and f"grader: {flag}" not in flags:
