@@ -28,15 +28,18 @@ class Checks:
   expected: tuple  # per call: ("r", canonical result) | ("exc", None): the original raised
 
 
-def select_calls(records: list[dict], fail_to_pass, limit: int = 200) -> tuple[tuple, tuple]:
-  """Distinct recorded calls (at most `limit`), each with the F2P tests that made it."""
-  wanted, seen = set(fail_to_pass), {}
+def select_calls(
+  records: list[dict], fail_to_pass, limit: int = 200, max_bytes: int = 2 << 20
+) -> tuple[tuple, tuple]:
+  """Distinct recorded calls (at most `limit`, `max_bytes` of JSON), each with the F2P tests that made it."""
+  wanted, seen, size = set(fail_to_pass), {}, 0
   for r in records:
     if r.get("t") != "call" or r.get("test") not in wanted or not isinstance(r.get("args"), dict):
       continue
     key = json.dumps(r["args"], sort_keys=True)
-    if key not in seen and len(seen) >= limit:
+    if key not in seen and (len(seen) >= limit or size + len(key) > max_bytes):
       continue
+    size += len(key) if key not in seen else 0
     seen.setdefault(key, (r["args"], []))[1].append(r["test"])
   calls = tuple(args for args, _ in seen.values())
   return calls, tuple(tuple(dict.fromkeys(tests)) for _, tests in seen.values())

@@ -107,10 +107,13 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
   base = runtree.make_base(task)
   units, other = canary.units(task.fail_to_pass, task.test_files)
   rng = random.Random(int(hashlib.sha256(task.instance_id.encode()).hexdigest()[:16], 16))
-  made = {u.key: canary.make_canary(u, task.test_files[u.file], rng) for u in units}
+  made = {u.key: _or_none(canary.make_canary, u, task.test_files[u.file], rng) for u in units}
   twins = [canary.Twin(u, "real", canary.def_of(u, task.test_files[u.file])) for u in units]
   twins += [canary.Twin(u, "canary", c.fn, c.extra) for u in units if (c := made[u.key]) is not None]
-  files, names = twin_files(base.pristine, twins, task.test_files, rng)
+  try:
+    files, names = twin_files(base.pristine, twins, task.test_files, rng)
+  except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError):  # test code ast cannot redo
+    files, names = dict(base.pristine), {}
   spec = {"mode": "pytest", "args": [*task.fail_to_pass, *sorted(names)]}
   tgt = target(task, base)
   if tgt is not None:
@@ -132,6 +135,14 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
   notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are",
            f"{len(checks.calls) if checks else 0} held-out calls")  # fmt: skip
   return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes)
+
+
+def _or_none(fn, *args):
+  """A canary when one can be made; odd test code (that ast cannot redo) gets none, not a crash."""
+  try:
+    return fn(*args)
+  except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError):
+    return None
 
 
 def _checks(task, box, base, tgt, recs) -> heldout.Checks | None:
