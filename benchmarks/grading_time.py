@@ -198,6 +198,22 @@ def collisions(records: list[dict], old) -> list[tuple[str, int, int, int]]:
   return rows
 
 
+def print_coverage(records: list[dict]) -> None:
+  """Per task: F2P ids twinned (real + canary), canary cases kept, held-out calls kept."""
+  from composer_jax.synth import baseline, prepare
+
+  print("| task | F2P | twinned F2P ids | units with a canary / units | canary cases | held-out calls |")
+  print("|---|---:|---:|---:|---:|---:|")
+  for r in records:
+    t = tasks.Task.from_record(r)
+    p = prepare.prepared(t, baseline.make_sandbox(t.venv))
+    twinned = sum(len(u.ids) for u in p.units)
+    cases = sum(len(v) for v in p.valid.values())
+    calls = len(p.checks.calls) if p.checks else 0
+    units = f"{len(p.canaries)} / {len(p.units)}"
+    print(f"| {t.instance_id} | {len(t.fail_to_pass)} | {twinned} | {units} | {cases} | {calls} |")
+
+
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--workdir", required=True)
@@ -206,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--max-tasks", type=int, default=1, help="tasks per source")
   ap.add_argument("--old-ref", default="52c0bdd", help="the commit holding the previous grader")
   ap.add_argument("--literal-fp", action="store_true")
+  ap.add_argument("--coverage", action="store_true", help="what the grader's private checks cover, per task")
   args = ap.parse_args(argv)
   if not sandbox.available():
     print(sandbox.INSTALL_HINT, file=sys.stderr)
@@ -214,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
   workdir.mkdir(parents=True, exist_ok=True)
   records = build_tasks(workdir, [s for s in args.sources.split(",") if s], args.max_tasks)
   print(sandbox.limits_statement())
+  if args.coverage:
+    print_coverage(records)
+    return 0
   if args.literal_fp:
     fp = literal_fp(records, args.old_ref)
     print(

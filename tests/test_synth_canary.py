@@ -94,6 +94,9 @@ def test_generated_modules_hide_which_twin_is_real(made):
   units, _, canaries = made
   twins = [canary.Twin(units["test_table"], "real", canary.def_of(units["test_table"], TESTS))]
   twins.append(
+    canary.Twin(units["test_table"], "canary", canaries["test_table"].fn, canaries["test_table"].extra)
+  )
+  twins.append(
     canary.Twin(units["test_method"], "canary", canaries["test_method"].fn, canaries["test_method"].extra)
   )
   src, names = canary.generate(TESTS, twins, random.Random(1))
@@ -101,7 +104,11 @@ def test_generated_modules_hide_which_twin_is_real(made):
   top = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
   assert "helper" in top and not {"test_value", "test_table", "test_truthy"} & top  # originals gone
   assert "TABLE" not in src  # only the removed tests used it: a private copy replaces it
-  assert sorted(t.kind for t in names.values()) == ["canary", "real"]
+  assert sorted(t.kind for t in names.values()) == ["canary", "canary", "real"]
+  tables = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)]
+  assert (
+    len(tables) == 2 and (("a", "A"), ("bc", "BC")) in tables
+  )  # the real twin's copy, and the altered one
   for (cls, func), twin in names.items():
     assert func.startswith("test_") and func not in ("test_table", "test_method")
     assert (cls is None) == (twin.unit.cls is None) and (cls is None or cls.startswith("Test"))

@@ -159,6 +159,8 @@ def _alter_asserts(fn, rng: random.Random) -> bool:
 
 
 def _negate_last(fn) -> bool:
+  """Negate the last assertion: `assert x` -> `assert not x`, `assertTrue` -> `assertFalse`, and a plain
+  helper `assert_equal(a, b)` -> `assert not a == b`."""
   found = _assertions(fn)
   if not found:
     return False
@@ -166,9 +168,20 @@ def _negate_last(fn) -> bool:
   if isinstance(node, ast.Assert):
     node.test = ast.UnaryOp(ast.Not(), node.test)
     return True
-  if _call_name(node) in _FLIP:
+  if isinstance(node.func, ast.Attribute) and _call_name(node) in _FLIP:
     node.func.attr = _FLIP[_call_name(node)]
-    return isinstance(node.func, ast.Attribute)
+    return True
+  if _call_name(node) not in _EQ_CALLS or len(node.args) < 2:
+    return False
+  negated = ast.Assert(ast.UnaryOp(ast.Not(), ast.Compare(node.args[0], [ast.Eq()], [node.args[1]])), None)
+  for parent in ast.walk(fn):
+    for field in ("body", "orelse", "finalbody"):
+      stmts = getattr(parent, field, None)
+      if isinstance(stmts, list):
+        for i, stmt in enumerate(stmts):
+          if isinstance(stmt, ast.Expr) and stmt.value is node:
+            stmts[i] = ast.copy_location(negated, stmt)
+            return True
   return False
 
 
@@ -224,7 +237,8 @@ def _table_copy(
     return None
   new = f"_{name.id.lower()}_{rng.getrandbits(40):010x}"
   literal = copy.deepcopy(literal)
-  ref = ast.Call(ast.Attribute(ast.Name(new), "items"), [], []) if items else ast.Name(new)
+  name_ref = ast.Name(new, ast.Load())
+  ref = ast.Call(ast.Attribute(name_ref, "items", ast.Load()), [], []) if items else name_ref
   return ref, [ast.Assign([ast.Name(new, ast.Store())], literal, lineno=0)], literal
 
 
@@ -331,8 +345,11 @@ def _privatize(fn, tables: dict[str, ast.AST]) -> list[ast.stmt]:
 
 
 def _unused_tables(body: list[ast.stmt], tables: dict[str, ast.AST]) -> set[str]:
-  """Module tables nothing but (removed) tests referred to: dropped, so no copy can be compared to them."""
-  used = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+  """Module tables nothing in `body` reads (only removed tests did): dropped, so no private copy can be
+  compared with them."""
+  used = {
+    n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store)
+  }
   return set(tables) - used
 
 
@@ -340,28 +357,29 @@ def generate(text: str, twins: list[Twin], rng: random.Random) -> tuple[str, dic
   """(source of a module holding `twins` under random names, {(class or None, function): twin}).
 
   Real and canary twins look alike: both renamed, both reading private copies of their parametrize
-  tables, and the original tables dropped when only the removed tests used them."""
+  tables, and the original tables dropped when nothing left in the module uses them."""
   tree = ast.parse(text)
   body = [s for s in map(_strip_tests, tree.body) if s is not None]
   tables = _tables(tree)
-  unused = _unused_tables(body, tables)
-  body = [s for s in body if not (isinstance(s, ast.Assign) and _tables(ast.Module([s], [])).keys() & unused)]
+  added: list[ast.stmt] = []
   names: dict[tuple[str | None, str], Twin] = {}
   for twin in rng.sample(twins, len(twins)):
     fn = copy.deepcopy(twin.fn)
     fn.name = f"{_prefix(fn.name, 'test')}_{_token()}"
-    body += _privatize(fn, tables | _tables(ast.Module(list(twin.extra), [])))
+    added += _privatize(fn, tables | _tables(ast.Module(list(twin.extra), [])))
     if twin.unit.cls is None:
-      body.append(fn)
+      added.append(fn)
       names[(None, fn.name)] = twin
       continue
     owner = next(s for s in tree.body if isinstance(s, ast.ClassDef) and s.name == twin.unit.cls)
     cls = _strip_tests(owner)
     cls.name = f"Test{_token()}"
     cls.body = [s for s in cls.body if not isinstance(s, ast.Pass)] + [fn]
-    body.append(cls)
+    added.append(cls)
     names[(cls.name, fn.name)] = twin
-  return ast.unparse(ast.fix_missing_locations(ast.Module(body, []))), names
+  unused = _unused_tables(body + added, tables)
+  body = [s for s in body if not (isinstance(s, ast.Assign) and _tables(ast.Module([s], [])).keys() & unused)]
+  return ast.unparse(ast.fix_missing_locations(ast.Module(body + added, []))), names
 
 
 def def_of(unit: Unit, text: str) -> ast.AST:

@@ -110,10 +110,11 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
   made = {u.key: _or_none(canary.make_canary, u, task.test_files[u.file], rng) for u in units}
   twins = [canary.Twin(u, "real", canary.def_of(u, task.test_files[u.file])) for u in units]
   twins += [canary.Twin(u, "canary", c.fn, c.extra) for u in units if (c := made[u.key]) is not None]
+  trouble = ""
   try:
     files, names = twin_files(base.pristine, twins, task.test_files, rng)
-  except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError):  # test code ast cannot redo
-    files, names = dict(base.pristine), {}
+  except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError) as err:  # ast cannot redo it
+    files, names, trouble = dict(base.pristine), {}, f"; twins not generated ({type(err).__name__}: {err})"
   spec = {"mode": "pytest", "args": [*task.fail_to_pass, *sorted(names)]}
   tgt = target(task, base)
   if tgt is not None:
@@ -132,7 +133,8 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
     if failing:
       valid[u.key], canaries[u.key] = failing, made[u.key]
   checks = _checks(task, box, base, tgt, recs)
-  notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are",
+  notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are"
+           f"{trouble}",
            f"{len(checks.calls) if checks else 0} held-out calls")  # fmt: skip
   return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes)
 
