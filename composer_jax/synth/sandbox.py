@@ -178,12 +178,15 @@ def run(
   binds: Mapping[str, str] | None = None,
   channel: bool = False,
   max_channel_bytes: int = 64 << 20,
+  tree_limits: bool = True,
 ) -> SandboxResult:
   """Run `cmd` in the sandbox with `task_dir` at `workdir` (read-write, or copied into a tmpfs).
 
   `readonly_paths` are bound at their own paths (pass `venv_paths(venv)` so `python -m pytest` works).
   `cpu_s` (CPU seconds for the whole tree; per process without a cgroup) defaults to the wall-clock
   budget. `memory_bytes` caps each process's address space and, with a cgroup, the tree's memory.
+  `tree_limits=False` skips the whole-tree meter (cgroup or /proc polling; a v1 cgroup costs tens of ms
+  per run in migrations): for fixed commands on the agent's files (`cat`, `find`), never for its code.
   Raises `SandboxUnavailable` when bwrap is missing.
   """
   bwrap_bin, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
@@ -202,7 +205,9 @@ def run(
     owner = os.stat(task_dir)  # lent to the throw-away uid for the run (copy_in: so it can read it all)
     _chown_tree(task_dir, drop_to_uid, drop_to_uid)
   spec = _Spec(task_dir, workdir, ro, dict(env or {}), drop_to_uid, binds, copy_in, task_bytes, tmp_bytes)
-  limits = _Limits(timeout_s, cpu_s, memory_bytes, file_bytes, max_procs, max_output_bytes, max_channel_bytes)
+  limits = _Limits(
+    timeout_s, cpu_s, memory_bytes, file_bytes, max_procs, max_output_bytes, max_channel_bytes, tree_limits
+  )
   try:
     return _execute(cmd, spec, limits, prlimit, bwrap_bin, channel)
   finally:
@@ -232,6 +237,7 @@ class _Limits:
   max_procs: int
   max_output_bytes: int
   max_channel_bytes: int
+  tree: bool = True  # meter the whole tree (cgroup, else /proc)
 
 
 def _argv(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, env: dict, seccomp_fd) -> list[str]:
@@ -341,7 +347,7 @@ def _wait(proc: subprocess.Popen, group, lim: _Limits):
     except BaseException:
       _kill(proc.pid, group)
       raise
-  tree = cgroups.ProcTree(proc.pid) if group is None else None
+  tree = cgroups.ProcTree(proc.pid) if group is None and lim.tree else None
   deadline = time.monotonic() + lim.timeout_s
   watcher = threading.Thread(target=_watch, args=(proc, group, tree, deadline, lim, state, lock), daemon=True)
   watcher.start()

@@ -118,17 +118,17 @@ class CodingEnv:
         return Step("Error: list_files takes at most 1 argument.", False, ok=False)
       self.actions.append(monitor.Action("list_files", {"path": a[0] if a else "."}))
       cmd = ["find", a[0] if a else ".", "-path", "*/.git", "-prune", "-o", "-type", "f", "-print"]
-      return Step(self._run(cmd), False)
+      return Step(self._run(cmd, tree_limits=False), False)
     if call.name == "read_file":
       if len(a) != 1:
         return Step("Error: read_file takes 1 argument: a path.", False, ok=False)
       self.actions.append(monitor.Action("read_file", {"path": a[0]}))
-      return Step(self._run(["cat", "--", a[0]]), False)
+      return Step(self._run(["cat", "--", a[0]], tree_limits=False), False)
     if call.name == "write_file":
       if len(a) != 2:
         return Step("Error: write_file takes a path, then the content on the next lines.", False, ok=False)
       self.actions.append(monitor.Action("write_file", {"path": a[0], "content": a[1]}))
-      out = self._run([py, "-c", _WRITE, a[0], a[1]])
+      out = self._run([py, "-I", "-c", _WRITE, a[0], a[1]], tree_limits=False)  # -I: no module of /task runs
       return Step(out or f"Wrote {len(a[1])} characters to {a[0]}.", False)
     self.actions.append(monitor.Action("run_tests", {"args": " ".join(a)}))
     # On a copy inside the sandbox (copy_in): files the tests write (state files, caches) must not enter
