@@ -86,22 +86,21 @@ def test_interrupt_writes_tasks_built_so_far(tmp_path, monkeypatch):
   assert summary["interrupted"] and summary["total_valid"] == 1 and summary["dataset"]
 
 
-def test_junit_ids_of_inherited_tests(tmp_path):
+def test_runner_ids_of_inherited_tests(tmp_path):
   # cachetools: test methods live in a mixin in tests/__init__.py, collected by tests/test_lru.py etc.
-  # xunit1's `file` names the mixin's file; the id must name the collecting module and class.
+  # The runner reports pytest's own node ids: the collecting module and class, never the mixin's file.
+  import sys
+
   from composer_jax.synth import baseline
 
   (tmp_path / "tests").mkdir()
-  (tmp_path / "tests/test_lru.py").write_text("")
-  (tmp_path / "tests/__init__.py").write_text("")
-  nodeid = baseline._nodeid
-  assert nodeid("tests/__init__.py", "tests.test_lru.LRUCacheTest", "test_pop", tmp_path) == (
-    "tests/test_lru.py::LRUCacheTest::test_pop"
+  (tmp_path / "tests/__init__.py").write_text("class Mixin:\n  def test_pop(self):\n    assert True\n")
+  (tmp_path / "tests/test_lru.py").write_text(
+    "import unittest\nfrom . import Mixin\n\n\nclass LRUCacheTest(Mixin, unittest.TestCase):\n"
+    "  def test_x(self):\n    assert False\n"
   )
-  assert nodeid("tests/__init__.py", "tests.test_lru.LRUCacheTest", "test_pop") == (
-    "tests/test_lru.py::LRUCacheTest::test_pop"
-  )
-  assert nodeid("tests/test_lru.py", "tests.test_lru.LRUCacheTest", "test_x[1]", tmp_path) == (
-    "tests/test_lru.py::LRUCacheTest::test_x[1]"
-  )
-  assert nodeid("tests/test_lru.py", "tests.test_lru", "test_f") == "tests/test_lru.py::test_f"
+  run = baseline.run_suite(baseline.make_sandbox(sys.prefix, timeout_s=60), sys.prefix, tmp_path)
+  assert run.report_found and run.outcomes == {
+    "tests/test_lru.py::LRUCacheTest::test_pop": baseline.PASSED,
+    "tests/test_lru.py::LRUCacheTest::test_x": baseline.FAILED,
+  }, run.result.stdout

@@ -17,9 +17,9 @@ import subprocess
 import tempfile
 import uuid
 
-from composer_jax.synth import baseline, deletion, monitor, sandbox
+from composer_jax.synth import baseline, deletion, monitor, sandbox, sources
 
-PIP_TIMEOUT_S = 600
+PIP_TIMEOUT_S = sources.PIP_TIMEOUT_S
 _NOT_LIBRARY = {
   "docs",
   "doc",
@@ -51,15 +51,7 @@ def ensure_coverage(venv: str | os.PathLike, pip_args: tuple[str, ...] = ()) -> 
   py = baseline.python(venv)
   if subprocess.run([py, "-c", "import coverage"], capture_output=True, check=False).returncode == 0:
     return
-  proc = subprocess.run(
-    [py, "-m", "pip", "--disable-pip-version-check", "install", *pip_args, "coverage"],
-    capture_output=True,
-    text=True,
-    timeout=PIP_TIMEOUT_S,
-    check=False,
-  )
-  if proc.returncode != 0:
-    raise RuntimeError(f"pip install coverage failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+  sources.pip(py, "install", *pip_args, "coverage")
 
 
 def is_library_file(rel: str) -> bool:
@@ -71,14 +63,7 @@ def is_library_file(rel: str) -> bool:
 
 def py_files(src_dir: pathlib.Path) -> dict[str, str]:
   """Every `.py` file outside VCS/venv/build dirs: rel path -> text (what `private_helpers` scans)."""
-  out = {}
-  for dirpath, dirnames, filenames in os.walk(src_dir):
-    dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
-    for f in sorted(filenames):
-      if f.endswith(".py"):
-        p = pathlib.Path(dirpath, f)
-        out[p.relative_to(src_dir).as_posix()] = p.read_text(encoding="utf-8", errors="replace")
-  return out
+  return deletion.py_files(src_dir, errors="replace")
 
 
 def module_name(rel: str) -> str:

@@ -192,13 +192,20 @@ def make_venv(
   steps = [["install", *pip_args, *extras]] if extras else []  # first: build helpers (e.g. wheel) too
   steps.append(["install", *pip_args, "-e", str(src_dir)])
   for step in steps:
-    proc = subprocess.run(
-      [str(py), "-m", "pip", "--disable-pip-version-check", *step],
-      capture_output=True,
-      text=True,
-      timeout=PIP_TIMEOUT_S,
-      check=False,
-    )
-    if proc.returncode != 0:
-      raise RuntimeError(f"pip {' '.join(step)} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+    pip(py, *step)
   return py
+
+
+def pip(python: str | os.PathLike, *args: str) -> None:
+  """`python -m pip <args>` (at most PIP_TIMEOUT_S); RuntimeError with pip's stderr if it fails."""
+  cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+  run_checked(cmd, f"pip {' '.join(args)}", timeout=PIP_TIMEOUT_S)
+
+
+def run_checked(cmd: list[str], what: str, error: type[Exception] = RuntimeError, **kwargs) -> str:
+  """Run `cmd` (text, output captured) and return its stdout; `error` with `what`, the exit code and the
+  tail of stderr when it fails."""
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)
+  if proc.returncode != 0:
+    raise error(f"{what} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+  return proc.stdout
