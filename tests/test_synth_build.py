@@ -3,6 +3,7 @@ dataset, `synth.json`; unknown source names are refused with the known ones list
 
 import importlib.util
 import json
+import logging
 import pathlib
 
 import pytest
@@ -24,7 +25,7 @@ def _config(**synth):
   return c
 
 
-def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, capsys):
+def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, caplog):
   from composer_jax import pipeline
   from composer_jax.synth import dataset
 
@@ -32,6 +33,7 @@ def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, capsys):
   # Reuse the fixture's venv (built offline once per machine) instead of pip-installing a new one.
   monkeypatch.setattr(build, "ensure_venv", lambda *_: venv)
   config = _config(sources="", local_dir=str(src), max_tasks_per_source=2, runs=2)
+  caplog.set_level(logging.INFO)
   summary = pipeline.run(config, str(tmp_path))["synth"]
 
   (row,) = summary["sources"]
@@ -40,8 +42,8 @@ def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, capsys):
   assert row["candidates"] == 2 + sum(row["rejected"].values()) and row["total_candidates"] >= 4
   assert row["yield_"] == row["valid"] / row["candidates"] and row["tasks_per_minute"] > 0
   assert "| src 0 |" in summary["table"] and "| **total** |" in summary["table"]
-  out = capsys.readouterr().out
-  assert out.count("[synth] src ") >= row["candidates"] and ": valid " in out
+  out = caplog.text
+  assert out.count("[synth] src ") >= row["candidates"] and ": valid " in out and ", eta " in out
 
   records = dataset.read_tasks(tmp_path / "synth_tasks")
   assert len(records) == 2 and {r["feature"][0] for r in records} <= FEATURES
