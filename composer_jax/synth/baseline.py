@@ -2,10 +2,10 @@
 
 Per-test outcomes come from the grader's runner (`runner.py`), which reports pytest's own node ids and
 phase outcomes through a pipe held by this process: never from stdout, the exit code or a report file in
-the task dir. A test missing from the reports counts as not passed (SWE-bench semantics, notes/synth.md
-§2). The sandbox sees the source venv read-only and one scratch copy of the tree; the runner appends the
-copy's import roots to `sys.path` (after the stdlib and site-packages, where the venv's editable finder
-points at a path the sandbox does not contain), so the suite exercises the copy, never the pristine tree.
+the task dir. A test missing from the reports counts as not passed (SWE-bench semantics). The sandbox
+sees the source venv read-only and one scratch copy of the tree; the runner appends the copy's import
+roots to `sys.path` (after the stdlib and site-packages, where the venv's editable finder points at a path
+the sandbox does not contain), so the suite exercises the copy, never the pristine tree.
 """
 
 import dataclasses

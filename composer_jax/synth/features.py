@@ -4,7 +4,8 @@
 executed line with the test that ran it; lines run outside any test (import, collection) get the empty
 context. A function is a candidate when its body (after the docstring) is executed by ≥1 test and never
 under the empty context: toolz's three import-time functions were exactly its three invalid stubs
-(notes/synth.md §7). A feature is the candidate plus the private helpers only it uses
+(observed when building tasks from
+toolz). A feature is the candidate plus the private helpers only it uses
 (`deletion.private_helpers`); helpers that belong to another candidate's feature are not offered alone.
 """
 
@@ -136,7 +137,7 @@ def select(
   max_test_fraction: float = 0.5,
 ) -> list[Feature]:
   """Candidates in file and line order. `max_test_fraction` drops functions most of the suite runs
-  (their deletion would leave no P2P); notes/synth.md uses 0.2 on large suites."""
+  (their deletion would leave no P2P); 0.2 suits large suites."""
   src_dir = pathlib.Path(src_dir)
   files = py_files(src_dir)
   all_tests = set().union(*(c for lines in contexts.values() for c in lines.values())) - {""}

@@ -3,7 +3,7 @@
 The reward no longer depends on it: the grader runs only a snapshot's library sources in a fresh tree with
 pristine tests, judges hidden tests through canaries and held-out calls (grading.py), and its own
 observations flag what the code did. The monitor names what the agent *tried* and explains it. It stays
-deterministic and explainable on purpose (notes/synth.md §3): every reason names the rule and the offending
+deterministic and explainable on purpose: every reason names the rule and the offending
 path/line or action. A flag zeroes the reward and is logged; the monitor is not a learned reward (a monitor
 optimised against yields obfuscated hacking), so it only filters.
 

@@ -1,6 +1,6 @@
 """Run untrusted (model-written) code under bubblewrap: no network, read-only system, one task dir.
 
-Why each layer (measured facts in notes/synth.md §5):
+Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md):
 - bubblewrap namespaces hide the host FS, env, processes and network (~+4 ms per process start); the
   command line is built in `bwrap.py`. `/tmp` is a size-capped tmpfs, and with `copy_in` so is the task
   dir (the host tree is bound read-only and copied in): a run cannot fill the host disk or leave files

@@ -2,8 +2,8 @@
 
 Why sdists: wheels ship without tests. Why sha256 pins: a task records exactly which code it was cut from,
 and a changed upload must not silently change the task set. Why one editable venv per source: a plain
-`pip install .` leaves pristine copies of the deleted code in `site-packages` and `build/lib`
-(notes/synth.md §4), which the agent could read.
+`pip install .` leaves pristine copies of the deleted code in `site-packages` and `build/lib`, which
+the agent could read.
 """
 
 import dataclasses
@@ -36,8 +36,8 @@ class ChecksumError(RuntimeError):
   """The downloaded archive is not the pinned one; tasks cut from it would not be reproducible."""
 
 
-# Hashes measured on 2026-12-02 with `pip download --no-binary :all: --no-deps` from PyPI; they agree with
-# the prefixes in notes/synth.md §6. A Source with sha256=None is pinned on first download (the hash is
+# Hashes measured on 2026-12-02 with `pip download --no-binary :all: --no-deps` from PyPI. A Source with
+# sha256=None is pinned on first download (the hash is
 # written next to the archive as `<archive>.sha256`) and verified against that record afterwards.
 DEFAULT_SOURCES: tuple[Source, ...] = (
   Source("toolz", "1.2.0", "9667a038e9d6ecba37995e26cb2f59ec6420b6ad8dd9677de59db9b956b08490"),

@@ -4,7 +4,7 @@
   checkout(tasks[0], work)                # the agent's view: the feature's tests hidden, no history
   grade(tasks[0], work, actions=log)      # grading.py: snapshot, pristine run trees, twins, held-out
 
-Reward (the rule notes/synth.md §2–3 argue for): the fraction of FAIL_TO_PASS tests that pass, and 0 when
+Reward (the SWE-bench rule, hardened against hacks): the fraction of FAIL_TO_PASS tests that pass, and 0 when
 any PASS_TO_PASS test fails or any flag is raised. A missing or skipped test counts as failed (never "missing
 = pass"). How grading keeps the reward out of the graded code's reach is in grading.py; the records are in
 records.py, the checkout in runtree.py. An honest re-implementation raises no flag.

@@ -1,4 +1,4 @@
-"""SWE-bench-style validation of one deletion (notes/synth.md §2 steps 3–6).
+"""SWE-bench-style validation of one deletion (the checks SWE-smith and FeatureBench run on a candidate).
 
 On a scratch copy with the deletion applied: the package imports and the suite collects; the suite's
 JUnit outcomes against the baseline give FAIL_TO_PASS (passed before, not now: failed, skipped or missing)
