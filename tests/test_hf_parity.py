@@ -178,12 +178,12 @@ def test_sharded_load_matches_hf(yarn_case):
   cfg = yarn_case.cfg
   meshes = sharding.build_meshes((4, 1, 2), (8, 1))
   params = model.load_hf_checkpoint(yarn_case.path, cfg, meshes)
-  w_gate = params["layers"][1]["mlp"]["w_gate"]
-  assert w_gate.sharding.mesh is meshes.expert and w_gate.sharding.spec[0] == "expert"
-  local_experts = (cfg.n_experts // 8, cfg.d_model, cfg.moe_mlp_dim)  # EP=8: 2 experts per device
+  w_gate = params["moe_layers"]["mlp"]["w_gate"]  # [L_moe, E, D, F]: layers stacked, experts over EP
+  assert w_gate.sharding.mesh is meshes.expert and w_gate.sharding.spec[:2] == (None, "expert")
+  local_experts = (cfg.n_moe_layers, cfg.n_experts // 8, cfg.d_model, cfg.moe_mlp_dim)  # EP=8: 2 per device
   assert {s.data.shape for s in w_gate.addressable_shards} == {local_experts}
-  assert params["layers"][1]["mlp"]["router"].sharding.mesh is meshes.dense
-  assert params["layers"][0]["attn"]["q_a_proj"].sharding.mesh is meshes.dense
+  assert params["moe_layers"]["mlp"]["router"].sharding.mesh is meshes.dense
+  assert params["dense_layers"]["attn"]["q_a_proj"].sharding.mesh is meshes.dense
   expected = sharding.param_shardings(model.logical_axes(cfg), params, meshes)
   for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want)
@@ -226,7 +226,7 @@ def test_bf16_load_and_save(yarn_case, tmp_path):
 
   jax.tree.map(check, params, abstract, yarn_case.params)
   assert params["embed"].dtype == ml_dtypes.bfloat16
-  assert params["layers"][1]["mlp"]["router"].dtype == np.float32  # the router stays fp32
+  assert params["moe_layers"]["mlp"]["router"].dtype == np.float32  # the router stays fp32
   model.save_hf_checkpoint(params, cfg, tmp_path / "ours_bf16")
   again = model.load_hf_checkpoint(tmp_path / "ours_bf16", cfg)
   jax.tree.map(np.testing.assert_array_equal, again, params)
@@ -379,16 +379,15 @@ def test_from_hf_published_kimi_config(hf_config):
 
 
 def test_kimi_k2_shapes_and_parameter_count():
-  """Abstract shapes of K2 (two layers: tracing all 61 takes ~40 s) extrapolate to K2.5's 1.0264T."""
-  cfg = model.ModelConfig.from_hf({**KIMI_K2_TEXT, "num_hidden_layers": 2})
-  abstract = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
-  assert abstract["layers"][1]["mlp"]["w_gate"].shape == (384, 7168, 2048)
-  assert abstract["layers"][1]["mlp"]["w_down"].shape == (384, 2048, 7168)
-  assert abstract["layers"][0]["attn"]["q_b_proj"].shape == (1536, 64, 192)
-  assert abstract["layers"][0]["attn"]["kv_b_proj"].shape == (512, 64, 256)
-  assert abstract["layers"][0]["mlp"]["gate_proj"].shape == (7168, 18432)
-  count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))  # noqa: E731
-  total = count(abstract) + 59 * count(abstract["layers"][1])
+  """Abstract shapes of K2, all 61 layers (stacked: tracing costs one block per stack), = K2.5's 1.0264T."""
+  cfg = model.ModelConfig.from_hf(KIMI_K2_TEXT)
+  abstract = model.abstract_params(cfg)
+  assert abstract["moe_layers"]["mlp"]["w_gate"].shape == (60, 384, 7168, 2048)
+  assert abstract["moe_layers"]["mlp"]["w_down"].shape == (60, 384, 2048, 7168)
+  assert abstract["dense_layers"]["attn"]["q_b_proj"].shape == (1, 1536, 64, 192)
+  assert abstract["moe_layers"]["attn"]["kv_b_proj"].shape == (60, 512, 64, 256)
+  assert abstract["dense_layers"]["mlp"]["gate_proj"].shape == (1, 7168, 18432)
+  total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
   assert total == pytest.approx(1.0264e12, rel=1e-4)  # notes/moe.md §3 (meta-device count)
 
 
