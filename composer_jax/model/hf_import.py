@@ -263,11 +263,16 @@ def _expert_reader(ckpt: _Checkpoint, cfg: ModelConfig, layer: int, name: str, s
 
 
 def _check_unused(ckpt: _Checkpoint, used: set, cfg: ModelConfig, n_mtp: int) -> None:
+  """Every tensor must have a place, but empty ones (HF writes shared experts of width 0 when
+  n_shared_experts = 0), rotary buffers, MTP layers and the vision branch."""
   mtp = tuple(f"model.layers.{layer}." for layer in range(cfg.n_layers, cfg.n_layers + n_mtp))
   unused = sorted(
     raw
-    for key, (_, raw, *_) in ckpt.entries.items()
-    if key not in used and "rotary_emb." not in key and not key.startswith(mtp + _VISION_PREFIXES)
+    for key, (_, raw, _, shape, *_) in ckpt.entries.items()
+    if key not in used
+    and 0 not in shape
+    and "rotary_emb." not in key
+    and not key.startswith(mtp + _VISION_PREFIXES)
   )
   if unused:
     raise ValueError(

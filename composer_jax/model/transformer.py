@@ -168,9 +168,13 @@ def _run_stack(cfg, name, stack, x_BTD, ctx, cache_LBS, routed_LBTK, meshes):
     x_BTD, new_cache, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, forced_BTK)
     return x_BTD, (new_cache, aux, max_logit_H)
 
-  if cache_LBS is None and cfg.remat != "none":  # training: recompute the block in the backward pass
-    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
   n = jax.tree.leaves(stack)[0].shape[0]
+  if cache_LBS is None and cfg.remat != "none":  # training: recompute the block in the backward pass
+    # A loop keeps XLA from merging the recomputation with the forward pass (CSE), so scanned bodies
+    # skip jax's optimisation barrier; XLA removes a loop of one iteration (or an unrolled one), and
+    # without the barrier the "recomputed" block reused the forward's buffers: no remat at all.
+    barrier = n == 1 or not cfg.scan_layers
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=barrier)
   x_BTD, (new_cache, aux, max_logit_LH) = jax.lax.scan(
     body, x_BTD, (stack, cache_LBS, routed_LBTK), unroll=1 if cfg.scan_layers else n
   )

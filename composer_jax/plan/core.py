@@ -37,6 +37,7 @@ class Plan:
   xla: dict[str, int]  # predicted memory_analysis(): argument, output, alias, temp, peak
   collectives: dict[str, int]  # name → bytes sent per device per step
   muon: dict[str, Any]
+  phases: dict[str, dict[str, int]]  # with remat: the live temporaries at the loss and in the backward pass
   hbm_bytes: int | None
   notes: tuple[str, ...]
 
@@ -71,15 +72,24 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
   accum_f32 = sum(mem[m]["grad_accum_f32"] for m in ("dense", "expert"))
   coll = comms.collective_bytes(cfg, layout, params, accum, rows)
   muon = comms.muon_work(params, ocfg.ns_steps)
-  # Peak of the step's temporaries: the larger of (a) the start of the backward pass: all residuals,
-  # plus, with scanned stacks, the stacks' gradients (the backward loop writes them into [L, ...]
-  # buffers allocated whole while the stacked residuals are still live; measured +11% on tiny), or
-  # every gradient and the fp32 sum when accumulating; and (b) the update: gradients, new params and
-  # Muon's largest padded group twice.
-  stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
-  live_grads = grads + accum_f32 if accum > 1 else stacked_grads
+  # Peak of the step's temporaries, the larger of the passes and the update (gradients, new params and
+  # Muon's largest padded group twice). Without remat (validated on XLA:CPU): all residuals at the start
+  # of the backward pass, plus, with scanned stacks, the stacks' gradients (the backward loop writes
+  # them into [L, ...] buffers allocated whole while the stacked residuals are still live; +11% on tiny),
+  # or every gradient and the fp32 sum when accumulating. With remat (validated on XLA:TPU): the larger
+  # of the two live peaks of `memory.remat_phases`, on TPU times its heap overhead.
   update = 2 * grads + 2 * muon["largest_group_stack_bytes"]
-  temp = max(acts["total"] + live_grads, update)
+  stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
+  phases = {}
+  if cfg.remat == "none":
+    passes = acts["total"] + (grads + accum_f32 if accum > 1 else stacked_grads)
+  else:
+    phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu)
+    if accum > 1:
+      phases["backward"] |= {"stacked_grads": grads, "grad_accum_f32": accum_f32}
+    passes = max(sum(terms.values()) for terms in phases.values())
+    passes = int(passes * memory.TPU_HEAP_OVER_LIVE) if tpu else passes
+  temp = max(passes, update)
   peak = state + mem["other"]["batch"] + temp
   xla = {
     "argument": state + mem["other"]["batch"],
@@ -111,6 +121,7 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
     xla=xla,
     collectives=coll,
     muon=muon,
+    phases=phases,
     hbm_bytes=int(pcfg.hbm_gib * 2**30) if pcfg.hbm_gib else None,
     notes=tuple(notes),
   )

@@ -219,3 +219,62 @@ def activation_memory(
     terms = {"block_inputs": keep, "matmul_outputs": per_layer, "one_block": largest, "head": head}
   terms["total"] = sum(terms.values())
   return terms, rows
+
+
+# XLA:TPU's heap (`memory_analysis().temp_size_in_bytes`) over the peak of its live temporaries, from
+# the buffer-assignment dumps of the moonlight_16b train step on v5p:4x4x4 (remat full, scanned): 1.18 at
+# 2 layers, 1.39 at 27 (the heap places the head's [b·t, V] buffers and the block's working set at
+# offsets that overlap in address, not in time). The planner's TPU temp is its live peak × this.
+TPU_HEAP_OVER_LIVE = 1.3
+
+
+def _gathered_layer_bytes(cfg: ModelConfig, layout: Layout, params: list[Leaf]) -> int:
+  """Weights one layer all-gathers (FSDP) in the compute dtype, twice: the layer being computed and the
+  next one's, which XLA prefetches."""
+  deg, act_b = layout.degrees, np.dtype(cfg.dtype).itemsize
+  per_stack: dict[str, int] = {}
+  for p in params:
+    if p.stack and ((p.mesh == "dense" and deg.fsdp > 1) or (p.mesh == "expert" and deg.expert_fsdp > 1)):
+      whole = p.size // p.shape[0] // (deg.experts if p.mesh == "expert" else 1)  # one layer's local experts
+      per_stack[p.stack] = per_stack.get(p.stack, 0) + whole * act_b
+  return 2 * max(per_stack.values(), default=0)
+
+
+def remat_phases(
+  cfg: ModelConfig, layout: Layout, params: list[Leaf], micro_batch: int, seq_len: int, tpu: bool = False
+) -> dict[str, dict[str, int]]:
+  """Live temporaries (bytes per device) at the two peaks of a rematerialised, scanned train step,
+  read off XLA:TPU's live ranges of the moonlight_16b step (the `compile` stage's dumps):
+
+  - "head": the loss. Every block's saved input, the logits in the compute dtype, their shifted copy
+    and the fp32 log-softmax ([b·t, V] each: model.apply returns fp32 logits, the loss slices them).
+  - "backward": one block recomputed and differentiated. The saved inputs, the logits' gradient (XLA
+    keeps it until the LM head's weight gradient), the block's attention (fp32 scores, bf16
+    probabilities and their gradient [b·t, H, S], the absorbed query/latent products), the routed
+    experts' working set on the received rows R (fp32 gate·up and down outputs, their inputs), the
+    shared/dense MLP, and the stacks' gradient buffers.
+  Both: the compute-dtype copies of all parameters (XLA hoists the casts of whole stacks out of the
+  loops) and two layers' FSDP-gathered weights.
+  """
+  tok = tokens(layout, micro_batch, seq_len)
+  a = np.dtype(cfg.dtype).itemsize
+  n, d, h, s, v = tok.n, cfg.d_model, cfg.n_heads, tok.seq, cfg.vocab_size
+  c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+  casts = sum(p.local_size for p in params) * a if cfg.dtype != cfg.param_dtype else 0
+  if cfg.remat == "full":
+    saved = cfg.n_layers * n * d * a
+  else:  # dots: the matmul outputs of every layer (activation_memory's estimate) and the block inputs
+    acts, _ = activation_memory(cfg, layout, params, micro_batch, seq_len)
+    saved = acts["block_inputs"] + acts["matmul_outputs"]
+  common = {"saved_for_backward": saved, "parameter_casts": casts}
+  common["gathered_weights"] = _gathered_layer_bytes(cfg, layout, params)
+  head = common | {"logits": n * v * (2 * a + 4)}
+  attention = n * h * s * (4 + 2 * a) + n * s * 4 + n * h * (2 * (c + r) + 2 * c + cfg.qk_head_dim) * a
+  rows = moe_rows(cfg, layout, tok)
+  big_r, f = rows["expert_rows"], cfg.moe_mlp_dim
+  moe = big_r * (2 * f + d) * 4 + big_r * (d + f) * a + n * 3 * f * cfg.n_shared_experts * a
+  dense = n * 3 * cfg.dense_mlp_dim * a + n * d * 4
+  mlp = max(moe if cfg.n_moe_layers else 0, dense if cfg.first_k_dense else 0)
+  grads = sum(p.local_bytes(tpu) for p in params if p.stack)
+  backward = common | {"logits_grad": n * v * a, "attention": attention, "mlp": mlp, "stacked_grads": grads}
+  return {"head": head, "backward": backward}
