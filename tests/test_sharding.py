@@ -87,7 +87,8 @@ def test_every_param_axis_has_a_rule(cfg, meshes):
       assert name is None or (name in sharding.PARAM_AXES and name in table), where
     sharding.param_sharding(names, meshes, leaf.shape)  # resolves without KeyError
   expert_leaves = [names for names in jax.tree.leaves(axes, is_leaf=_is_axes) if "expert" in names]
-  assert len(expert_leaves) == 3 * sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))  # gate, up, down
+  assert len(expert_leaves) == 3 * (cfg.n_moe_layers > 0)  # gate, up, down: one stacked leaf each
+  assert all(names[0] == "layers" for names in expert_leaves)
 
 
 # --- parameters on the two meshes --------------------------------------------------------------
@@ -107,9 +108,10 @@ def test_init_places_expert_params_on_expert_mesh(sharded_params, meshes):
     if "expert" in names:
       n_expert += 1
       assert leaf.sharding.mesh == meshes.expert, where
-      assert leaf.sharding.spec[0] == "expert", where
+      dim = names.index("expert")  # 1: the stacked layers come first, unsharded
+      assert leaf.sharding.spec[dim] == "expert" and leaf.sharding.spec[0] is None, where
       # One expert per device: the expert axis really splits over all 8.
-      assert {s.data.shape[0] for s in leaf.addressable_shards} == {CFG.n_experts // 8}, where
+      assert {s.data.shape[dim] for s in leaf.addressable_shards} == {CFG.n_experts // 8}, where
     else:
       assert leaf.sharding.mesh == meshes.dense, where
       assert leaf.sharding.spec == sharding.param_sharding(names, meshes, leaf.shape).spec, where
