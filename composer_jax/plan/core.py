@@ -72,24 +72,28 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
   accum_f32 = sum(mem[m]["grad_accum_f32"] for m in ("dense", "expert"))
   coll = comms.collective_bytes(cfg, layout, params, accum, rows)
   muon = comms.muon_work(params, ocfg.ns_steps)
-  # Peak of the step's temporaries, the larger of the passes and the update (gradients, new params and
-  # Muon's largest padded group twice). Without remat (validated on XLA:CPU): all residuals at the start
-  # of the backward pass, plus, with scanned stacks, the stacks' gradients (the backward loop writes
-  # them into [L, ...] buffers allocated whole while the stacked residuals are still live; +11% on tiny),
-  # or every gradient and the fp32 sum when accumulating. With remat (validated on XLA:TPU): the larger
-  # of the two live peaks of `memory.remat_phases`, on TPU times its heap overhead.
-  update = 2 * grads + 2 * muon["largest_group_stack_bytes"]
-  stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
-  phases = {}
+  # Peak of the step's temporaries: the largest live set of the passes or of the update (all gradients,
+  # Muon's largest group in flight, the full fp32 embedding gradient GSPMD builds from the token
+  # gather). Without remat (validated on XLA:CPU): all residuals at the start of the backward pass,
+  # plus, with scanned stacks, the stacks' gradients (the backward loop writes them into [L, ...]
+  # buffers allocated whole while the stacked residuals are still live; +11% on tiny), or every
+  # gradient and the fp32 sum when accumulating. With remat (validated on XLA:TPU): the larger live
+  # peak of `memory.remat_phases`. On TPU, XLA's heap and embedding-gradient buffers on top.
+  embedding_grad = cfg.vocab_size * cfg.d_model * 4
+  update = {"grads": grads, "muon_group": muon["largest_group_in_flight_bytes"]}
+  update["embedding_grad"] = embedding_grad
   if cfg.remat == "none":
-    passes = acts["total"] + (grads + accum_f32 if accum > 1 else stacked_grads)
+    stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
+    passes = {"residuals": acts["total"], "grads": grads + accum_f32 if accum > 1 else stacked_grads}
+    phases = {"passes": passes, "update": update}
   else:
-    phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu)
+    phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu) | {"update": update}
     if accum > 1:
       phases["backward"] |= {"stacked_grads": grads, "grad_accum_f32": accum_f32}
-    passes = max(sum(terms.values()) for terms in phases.values())
-    passes = int(passes * memory.TPU_HEAP_OVER_LIVE) if tpu else passes
-  temp = max(passes, update)
+  temp = max(sum(terms.values()) for terms in phases.values())
+  if tpu:  # the heap overhead was measured with remat (tiny, without it, matches its live set: 1.05)
+    heap = memory.TPU_HEAP_OVER_LIVE if cfg.remat != "none" else 1.0
+    temp = int(temp * heap) + memory.TPU_EMBEDDING_GRAD_COPIES * embedding_grad
   peak = state + mem["other"]["batch"] + temp
   xla = {
     "argument": state + mem["other"]["batch"],
@@ -122,7 +126,8 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
     collectives=coll,
     muon=muon,
     phases=phases,
-    hbm_bytes=int(pcfg.hbm_gib * 2**30) if pcfg.hbm_gib else None,
+    # on TPU the compile stage checks the chip's HBM itself; a GPU gets jax's preallocated share of it
+    hbm_bytes=int(pcfg.hbm_gib * 2**30 * (1.0 if tpu else pcfg.mem_fraction)) if pcfg.hbm_gib else None,
     notes=tuple(notes),
   )
 
