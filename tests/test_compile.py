@@ -92,6 +92,17 @@ def test_meshes_on_a_tpu_torus_put_fsdp_groups_on_rings():
   assert not _fsdp_groups_are_rings(plain)
 
 
+@needs_libtpu
+def test_two_slices_put_the_slices_along_replica():
+  """Two v5p:2x2x1 slices (8 chips): `build_meshes` uses the hybrid mesh, so each replica group lies in
+  one slice and only the replica axis crosses the data-centre network."""
+  devices = compile_stage.topology_devices("v5p:2x2x1", num_slices=2)
+  assert {d.slice_index for d in devices} == {0, 1}
+  meshes = sharding.build_meshes((4, 1, 2), (8, 1), devices)
+  slices = np.vectorize(lambda d: d.slice_index)(meshes.dense.devices)  # [replica, fsdp, context]
+  assert (slices[:2] == 0).all() and (slices[2:] == 1).all(), slices
+
+
 def test_collective_counts_of_hlo_text():
   hlo = """
   %a = f32[8]{0} all-to-all(f32[8]{0} %x), replica_groups={}

@@ -49,6 +49,40 @@ class Plan:
     return None if self.hbm_bytes is None else self.peak_bytes <= self.hbm_bytes
 
 
+def _temporaries(cfg, layout, params, mem, acts, muon, micro, seq, accum, tpu) -> tuple[dict, int]:
+  """(phases, temp): the live temporaries of each phase and the step's predicted temp bytes.
+
+  The peak is the largest live set of the passes or of the update (all gradients, Muon's largest
+  group in flight, the full fp32 embedding gradient GSPMD builds from the token gather). Without remat
+  (validated on XLA:CPU): all residuals at the start of the backward pass, plus, with scanned stacks,
+  the stacks' gradients (the backward loop writes them into [L, ...] buffers allocated whole while the
+  stacked residuals are still live; +11% on tiny), or every gradient and the fp32 sum when
+  accumulating. With remat (validated on XLA:TPU): the larger live peak of `memory.remat_phases`. On
+  TPU, XLA's heap overhead and embedding-gradient buffers on top.
+  """
+  grads = sum(mem[m]["grads"] for m in ("dense", "expert"))
+  accum_f32 = sum(mem[m]["grad_accum_f32"] for m in ("dense", "expert"))
+  embedding_grad = cfg.vocab_size * cfg.d_model * 4
+  update = {
+    "grads": grads,
+    "muon_group": muon["largest_group_in_flight_bytes"],
+    "embedding_grad": embedding_grad,
+  }
+  if cfg.remat == "none":
+    stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
+    passes = {"residuals": acts["total"], "grads": grads + accum_f32 if accum > 1 else stacked_grads}
+    phases = {"passes": passes, "update": update}
+  else:
+    phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu) | {"update": update}
+    if accum > 1:
+      phases["backward"] |= {"stacked_grads": grads, "grad_accum_f32": accum_f32}
+  temp = max(sum(terms.values()) for terms in phases.values())
+  if tpu:  # the heap overhead was measured with remat (tiny, without it, matches its live set: 1.05)
+    heap = memory.TPU_HEAP_OVER_LIVE if cfg.remat != "none" else 1.0
+    temp = int(temp * heap) + memory.TPU_EMBEDDING_GRAD_COPIES * embedding_grad
+  return phases, temp
+
+
 def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
   """The plan of an experiment config (its `plan` section included); `tpu`: byte counts in XLA:TPU's
   tiled layout (the compile stage's target), else dense (GPU)."""
@@ -68,32 +102,9 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
   state = sum(
     v for mesh in ("dense", "expert") for k, v in mem[mesh].items() if k not in ("grads", "grad_accum_f32")
   )
-  grads = sum(mem[m]["grads"] for m in ("dense", "expert"))
-  accum_f32 = sum(mem[m]["grad_accum_f32"] for m in ("dense", "expert"))
   coll = comms.collective_bytes(cfg, layout, params, accum, rows)
   muon = comms.muon_work(params, ocfg.ns_steps)
-  # Peak of the step's temporaries: the largest live set of the passes or of the update (all gradients,
-  # Muon's largest group in flight, the full fp32 embedding gradient GSPMD builds from the token
-  # gather). Without remat (validated on XLA:CPU): all residuals at the start of the backward pass,
-  # plus, with scanned stacks, the stacks' gradients (the backward loop writes them into [L, ...]
-  # buffers allocated whole while the stacked residuals are still live; +11% on tiny), or every
-  # gradient and the fp32 sum when accumulating. With remat (validated on XLA:TPU): the larger live
-  # peak of `memory.remat_phases`. On TPU, XLA's heap and embedding-gradient buffers on top.
-  embedding_grad = cfg.vocab_size * cfg.d_model * 4
-  update = {"grads": grads, "muon_group": muon["largest_group_in_flight_bytes"]}
-  update["embedding_grad"] = embedding_grad
-  if cfg.remat == "none":
-    stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
-    passes = {"residuals": acts["total"], "grads": grads + accum_f32 if accum > 1 else stacked_grads}
-    phases = {"passes": passes, "update": update}
-  else:
-    phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu) | {"update": update}
-    if accum > 1:
-      phases["backward"] |= {"stacked_grads": grads, "grad_accum_f32": accum_f32}
-  temp = max(sum(terms.values()) for terms in phases.values())
-  if tpu:  # the heap overhead was measured with remat (tiny, without it, matches its live set: 1.05)
-    heap = memory.TPU_HEAP_OVER_LIVE if cfg.remat != "none" else 1.0
-    temp = int(temp * heap) + memory.TPU_EMBEDDING_GRAD_COPIES * embedding_grad
+  phases, temp = _temporaries(cfg, layout, params, mem, acts, muon, micro, seq, accum, tpu)
   peak = state + mem["other"]["batch"] + temp
   xla = {
     "argument": state + mem["other"]["batch"],
