@@ -207,23 +207,27 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
 
 
 def run(config: configs.Config, workdir: str) -> dict[str, Any]:
-  """The `compile` stage body: compiles for `config.compile.topology`, logs a table, writes
-  `<workdir>/compile.json` and returns it. A step that does not fit is a result (`fits: false`)."""
+  """The `compile` stage body: compiles for `config.compile.topology`, logs a table (also returned
+  under "report"), writes `<workdir>/compile.json` and returns it. A step that does not fit is a result
+  (`fits: false`, one line with its biggest items and the knob to turn), also when XLA refuses it."""
   config = configs.from_config(config)
   c = config.compile
   if c.step not in ("train", "rl"):
     raise ValueError(f"compile.step={c.step!r}: must be 'train' or 'rl'.")
   devices = topology_devices(c.topology, c.num_slices)
   result = {"topology": c.topology, "num_slices": c.num_slices} | compile_config(config, devices)
-  if "error" in result:
-    logging.warning("compile %s on %s: %s", config.variant, c.topology, result["error"])
+  if "error" in result:  # XLA refused the program: only its temporaries are known
+    lines = [f"compile {config.variant} on {c.topology}: {result['error']}"]
   else:
-    logging.info("%s", report.format_compile(result))
+    lines = [report.format_compile(result)]
   if result["fits"] is False:
     temp = result["memory"]["temp"] or 0
     items = [("temp", temp)] + [tuple(t) for t in result["biggest_plan_terms"]]
-    peak = result["memory"].get("peak", temp)
-    logging.warning("%s", report.does_not_fit(peak, result["hbm_bytes"], items))
+    lines.append(report.does_not_fit(result["memory"].get("peak", temp), result["hbm_bytes"], items))
+  result["report"] = "\n".join(lines)
+  logging.info("%s", result["report"])
+  if result["fits"] is False:
+    logging.warning("%s", lines[-1])
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / "compile.json").write_text(json.dumps(result, indent=1))

@@ -144,14 +144,18 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
 
 
 def run(config: configs.Config, workdir: str) -> dict[str, Any]:
-  """The `plan` stage: logs the plan's tables, writes `<workdir>/plan.json`, returns it as a dict.
+  """The `plan` stage: logs the plan's tables, writes `<workdir>/plan.json`, returns it as a dict (the
+  tables as text under "report", for the runner to print).
 
   A plan that does not fit `plan.hbm_gib` is still a result (`fits: false`, one line saying so)."""
   plan = make_plan(config)
-  logging.info("%s", report.format_plan(plan))
+  text = report.format_plan(plan)
   if plan.fits is False:
-    logging.warning("%s", report.does_not_fit(plan.peak_bytes, plan.hbm_bytes, report.biggest_terms(plan)))
-  out = plan.to_dict() | {"fits": plan.fits}
+    text += "\n" + report.does_not_fit(plan.peak_bytes, plan.hbm_bytes, report.biggest_terms(plan))
+  logging.info("%s", text)
+  if plan.fits is False:
+    logging.warning("%s", text.splitlines()[-1])
+  out = plan.to_dict() | {"fits": plan.fits, "report": text}
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / "plan.json").write_text(json.dumps(out, indent=1))
