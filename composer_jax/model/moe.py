@@ -17,6 +17,7 @@ In the stacked layout (transformer.py) the router bias of all MoE layers is one 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -129,12 +130,19 @@ class MoE(nnx.Module):
     the experts used [B, T, K]."""
     cfg = self.cfg
     B, T, D = x_BTD.shape
-    x_TD = x_BTD.reshape(B * T, D)
+    ep = _expert_parallel(meshes, B * T)
+    if ep:  # tokens in the order the expert mesh takes them: each device's own tokens, contiguous
+      flatten = functools.partial(expert_parallel.device_major, meshes=meshes)
+      unflatten = functools.partial(expert_parallel.from_device_major, batch=B, meshes=meshes)
+    else:
+      flatten = lambda x_BT: x_BT.reshape(B * T, *x_BT.shape[2:])  # noqa: E731
+      unflatten = lambda x_T: x_T.reshape(B, T, *x_T.shape[1:])  # noqa: E731
+    x_TD = flatten(x_BTD)
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-    forced_TK = None if routed_experts_BTK is None else routed_experts_BTK.reshape(B * T, cfg.top_k)
+    forced_TK = None if routed_experts_BTK is None else flatten(routed_experts_BTK)
     r = route(logits_TE, jax.lax.stop_gradient(self.router_bias[...]), cfg, forced_TK)
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    if _expert_parallel(meshes, B * T):
+    if ep:
       y_TKD, dropped = expert_parallel.dispatch(x_TD, r.expert_ids_TK, weights, cfg, meshes)
     else:
       A = B * T * cfg.top_k
@@ -142,15 +150,14 @@ class MoE(nnx.Module):
       slots = capacity(A, cfg.n_experts, cfg.capacity_factor)
       y_AD, dropped = experts_local(x_AD, r.expert_ids_TK.reshape(-1), *weights, cfg, slots)
       y_TKD = y_AD.reshape(B * T, cfg.top_k, D)
-    y_BTD = combine(y_TKD, r.weights_TK).reshape(B, T, D).astype(x_BTD.dtype)
+    y_BTD = unflatten(combine(y_TKD, r.weights_TK)).astype(x_BTD.dtype)
     if cfg.n_shared_experts:
       y_BTD = y_BTD + self.shared(x_BTD)
+    ids_BTK = unflatten(r.expert_ids_TK)
     aux = {
       "expert_load": expert_load(r.expert_ids_TK, cfg.n_experts),
       "overflow": dropped.astype(jnp.float32),
-      "balance_loss": sequence_balance_loss(
-        r.scores_TE.reshape(B, T, -1), r.expert_ids_TK.reshape(B, T, -1), cfg.n_experts
-      ),
-      "routed_experts": r.expert_ids_TK.reshape(B, T, cfg.top_k),
+      "balance_loss": sequence_balance_loss(unflatten(r.scores_TE), ids_BTK, cfg.n_experts),
+      "routed_experts": ids_BTK,
     }
     return y_BTD, aux

@@ -18,6 +18,11 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.optim import newton_schulz
 from composer_jax.plan.layout import Layout, Leaf
 
+# Buffers of a group's whole matrices alive during Newton-Schulz: the gathered stack, its transpose,
+# the iterate and the next one, the result and its transpose back (6 at the kimi_k25_1t peak on
+# XLA:TPU, next to the group's exchanged local stack: 7 buffers of [45, 2048, 7168] f32).
+NS_COPIES = 6
+
 
 def ring(n: int) -> float:
   """Fraction of a buffer each device sends in a ring all-gather / reduce-scatter over n devices."""
@@ -79,6 +84,8 @@ class MuonGroupWork:
   matrices: int  # all devices together
   per_device: int  # whole matrices each device orthogonalises (padding included)
   stack_bytes: int  # the zero-padded local stack (and as large again after its all-to-all)
+  exchanged: bool  # matrices are sharded: the stack is materialised for the all-to-all
+  whole_bytes: int  # the whole matrices this device orthogonalises
   all_to_all_bytes: int
   all_gather_bytes: int
 
@@ -102,6 +109,8 @@ def muon_groups(params: list[Leaf]) -> list[MuonGroupWork]:
         matrices=sum(views[i].shape[0] for i in g.members),
         per_device=g.per_device,
         stack_bytes=stack,
+        exchanged=g.exchange > 1,
+        whole_bytes=g.per_device * m * k * itemsize,
         all_to_all_bytes=int(2 * (ring(m_split) + ring(k_split)) * stack),
         all_gather_bytes=int(ring(g.copies) * g.padded // g.exchange * m * k * itemsize),
       )
@@ -125,6 +134,7 @@ def muon_work(params: list[Leaf], ns_steps: int) -> dict[str, Any]:
     per_mesh[g.mesh] += g.per_device * one
     flops_total += g.matrices * one
   stacks = [g.stack_bytes for g in groups]
+  in_flight = [g.stack_bytes * g.exchanged + NS_COPIES * g.whole_bytes for g in groups]
   return {
     "ns_flops_per_device": int(sum(per_mesh.values())),
     "ns_flops_per_device_by_mesh": per_mesh,
@@ -135,4 +145,6 @@ def muon_work(params: list[Leaf], ns_steps: int) -> dict[str, Any]:
     # the zero-padded local stack of a group (and as large again after its all-to-all)
     "largest_group_stack_bytes": max(stacks, default=0),
     "all_groups_stack_bytes": sum(stacks),
+    # the largest group while it is orthogonalised: its stack if exchanged, NS_COPIES x its whole matrices
+    "largest_group_in_flight_bytes": max(in_flight, default=0),
   }
