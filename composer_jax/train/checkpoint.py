@@ -155,9 +155,17 @@ class Checkpointer:
     except Exception as e:
       self._failed(e)
 
-  def _failed(self, e: BaseException) -> None:
+  def _remove_partial_saves(self) -> None:
+    """Deletes `<step>.orbax-checkpoint-tmp*` directories: only call it when no save is in flight."""
     for tmp in self.directory.glob(f"*{_TMP_MARK}*"):
       shutil.rmtree(tmp, ignore_errors=True)
+
+  def _failed(self, e: BaseException) -> None:
+    try:  # the failed save's other writers may still be running: let them end before deleting
+      self._manager.wait_until_finished()
+    except Exception:
+      pass
+    self._remove_partial_saves()
     reason = _root_reason(e)
     raise CheckpointSaveError(
       f"saving a checkpoint under {self.directory} failed ({reason}); the run stopped. Steps saved "
@@ -265,6 +273,7 @@ class Checkpointer:
       self.wait()
     finally:
       self._manager.close()
+      self._remove_partial_saves()  # nothing is in flight now: a tmp directory left is a failed save's
 
 
 def _root_reason(e: BaseException) -> str:
