@@ -226,8 +226,9 @@ def test_traced_out_of_range_token_gives_nan_logits(params, bad_id):
     (dict(n_group=2, topk_group=3), "topk_group"),
     (dict(qk_rope_head_dim=5), "qk_rope_head_dim"),
     (dict(first_k_dense=3), "first_k_dense"),
-    (dict(capacity_factor=0.0), "capacity_factor"),
-    (dict(expert_impl="dense"), "expert_impl"),
+    (dict(capacity_factor=-1.0), "capacity_factor"),
+    (dict(expert_impl="megablox"), "expert_impl"),
+    (dict(attention_impl="flash"), "attention_impl"),
   ],
 )
 def test_invalid_config_names_the_field(overrides, field):

@@ -17,12 +17,14 @@ In the stacked layout (transformer.py) the router bias of all MoE layers is one 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from composer_jax import backend, sharding
 from composer_jax.model import expert_parallel
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import W_DOWN_AXES, W_GATE_AXES, W_UP_AXES, capacity, experts_local
@@ -106,6 +108,35 @@ def _expert_parallel(meshes, n_tokens: int) -> bool:
   return meshes is not None and meshes.expert_parallelism > 1 and n_tokens % len(meshes.devices) == 0
 
 
+def _blocks(meshes, B: int, T: int) -> tuple[int, int]:
+  """(row groups, sequence blocks) of the dense layout when the batch splits into them, else (1, 1)."""
+  g, c = sharding.token_blocks(meshes)
+  return (g, c) if B % g == 0 and T % c == 0 else (1, 1)
+
+
+def to_expert_order(x_BT_, g: int, c: int) -> jax.Array:
+  """[B, T, ...] → [B·T, ...] in (row group, sequence block, row, time) order: each device's tokens are
+  one contiguous block, so the expert mesh's token split keeps every token where it is (sharding.py)."""
+  B, T = x_BT_.shape[:2]
+  x = x_BT_.reshape(g, B // g, c, T // c, *x_BT_.shape[2:])
+  return jnp.swapaxes(x, 1, 2).reshape(B * T, *x_BT_.shape[2:])
+
+
+def from_expert_order(x_N_, B: int, T: int, g: int, c: int) -> jax.Array:
+  """The inverse of `to_expert_order`: [B·T, ...] → [B, T, ...]."""
+  x = x_N_.reshape(g, c, B // g, T // c, *x_N_.shape[1:])
+  return jnp.swapaxes(x, 1, 2).reshape(B, T, *x_N_.shape[1:])
+
+
+def resolve(cfg: ModelConfig, meshes, expert_parallel_path: bool) -> ModelConfig:
+  """`cfg` with `expert_impl` resolved for this call (`backend.expert_impl`). tokamax's Mosaic kernels
+  run only inside `shard_map` (the EP dispatch) or on one device; elsewhere they fall back to "ragged"."""
+  impl = backend.expert_impl(cfg.expert_impl, meshes)
+  if impl == "tokamax" and meshes is not None and not expert_parallel_path:
+    impl = "ragged"
+  return cfg if impl == cfg.expert_impl else dataclasses.replace(cfg, expert_impl=impl)
+
+
 class MoE(nnx.Module):
   """Shared experts (dense mesh) + routed experts (expert mesh) + router (dense mesh, fp32)."""
 
@@ -134,13 +165,20 @@ class MoE(nnx.Module):
     forced_TK = None if routed_experts_BTK is None else routed_experts_BTK.reshape(B * T, cfg.top_k)
     r = route(logits_TE, jax.lax.stop_gradient(self.router_bias[...]), cfg, forced_TK)
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    if _expert_parallel(meshes, B * T):
-      y_TKD, dropped = expert_parallel.dispatch(x_TD, r.expert_ids_TK, weights, cfg, meshes)
+    ep = _expert_parallel(meshes, B * T)
+    cfg = resolve(cfg, meshes, ep)
+    if ep:
+      g, c = _blocks(meshes, B, T)
+      ids_BTK = r.expert_ids_TK.reshape(B, T, cfg.top_k)
+      y_NKD, dropped = expert_parallel.dispatch(
+        to_expert_order(x_BTD, g, c), to_expert_order(ids_BTK, g, c), weights, cfg, meshes
+      )
+      y_TKD = from_expert_order(y_NKD, B, T, g, c).reshape(B * T, cfg.top_k, D)
     else:
       A = B * T * cfg.top_k
-      x_AD = jnp.repeat(x_TD, cfg.top_k, axis=0)
       slots = capacity(A, cfg.n_experts, cfg.capacity_factor)
-      y_AD, dropped = experts_local(x_AD, r.expert_ids_TK.reshape(-1), *weights, cfg, slots)
+      where = backend.platform(meshes)
+      y_AD, dropped = experts_local(x_TD, r.expert_ids_TK.reshape(-1), *weights, cfg, slots, cfg.top_k, where)
       y_TKD = y_AD.reshape(B * T, cfg.top_k, D)
     y_BTD = combine(y_TKD, r.weights_TK).reshape(B, T, D).astype(x_BTD.dtype)
     if cfg.n_shared_experts:
