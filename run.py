@@ -21,9 +21,13 @@ def _interrupted_early(signum, frame) -> None:
 
 def _redeliver_swallowed_interrupt(unraisable) -> None:
   """A KeyboardInterrupt that Python could not raise (it landed in a gc or weakref callback) is sent
-  again, to be raised where the program can handle it; anything else is reported as usual."""
+  again from another thread a moment later, so that the main thread raises it where the program can
+  handle it (raising it here would only be dropped again); anything else is reported as usual."""
   if isinstance(unraisable.exc_value, KeyboardInterrupt):
-    signal.raise_signal(signal.SIGINT)
+    import os
+    import threading
+
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
   else:
     sys.__unraisablehook__(unraisable)
 
@@ -205,10 +209,12 @@ def main(argv):
       jax.default_backend(),
     )  # fmt: skip
     pipeline.run(config, workdir)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # done: a late signal must not turn exit 0 into a crash
+      signal.signal(sig, signal.SIG_IGN)
   except configs.ConfigError as e:
     _fail(str(e))
-  except KeyboardInterrupt:  # before any stage started
-    _fail("interrupted before any stage started; rerun the same command to start", 130)
+  except KeyboardInterrupt:  # outside the stages (before the first, or while the summary was printed)
+    _fail("interrupted; what finished is recorded: rerun the same command to resume", 130)
   except Exception as e:  # noqa: BLE001 -- the run's own failure kinds end in one line, the rest raise
     _fail(*_known_failure(e))
 

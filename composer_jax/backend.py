@@ -9,7 +9,7 @@ The platform is the one the program is compiled for: the devices of the meshes w
 |----------|--------------------------------------------|------------------------------------------------|
 | cpu      | "xla": scores materialised, fp32 softmax   | "blocked" (XLA:CPU runs ragged_dot densely)    |
 | gpu      | "cudnn": `jax.nn.dot_product_attention`    | "tokamax" ragged dot if installed, else ragged |
-| tpu      | "splash": tokamax's splash kernel          | "tokamax" if installed, else "ragged" (native) |
+| tpu      | "splash" (tokamax), else "xla"             | "tokamax" if installed, else "ragged" (native) |
 
 Decoding always uses the absorbed MLA form over the latent cache (attention.py), whatever the kernel.
 """
@@ -51,8 +51,11 @@ def has_tokamax() -> bool:
 
 
 def attention_impl(requested: str, meshes: Any = None) -> str:
-  """The training attention kernel: `requested` unless "auto"."""
-  return ATTENTION.get(platform(meshes), "xla") if requested == "auto" else requested
+  """The training attention kernel: `requested` unless "auto" (splash needs tokamax: "xla" without it)."""
+  if requested != "auto":
+    return requested
+  impl = ATTENTION.get(platform(meshes), "xla")
+  return "xla" if impl == "splash" and not has_tokamax() else impl
 
 
 def expert_impl(requested: str, meshes: Any = None) -> str:

@@ -259,6 +259,8 @@ class PlanConfig:
   devices: int | None = None
   peak_flops: float | None = None  # FLOP/s per device for the NS time; None: train.peak_flops
   hbm_gib: float = 141.0  # memory per device the plan is checked against (H200; H100: 80)
+  # share of it jax may use on GPU: it preallocates 75 % by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+  mem_fraction: float = 0.75
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,8 +69,8 @@ DENSE_ACTIVATION_RULES = {
 }
 # Tokens flattened to [batch·seq] split over every device of the expert mesh, in the same device order as
 # (batch over replica·fsdp, seq over context). The hop between meshes moves no data only if the tokens are
-# flattened in (row group, sequence block, row, time) order (`token_blocks`; moe.py does): with several
-# rows per device, plain row-major flattening interleaves devices and costs an all-to-all per layer.
+# flattened device-major (`expert_parallel.device_major`; moe.py does): with several rows per device,
+# plain row-major flattening interleaves devices and costs an all-to-all per layer.
 EXPERT_ACTIVATION_RULES = {"tokens": ("expert", "expert_fsdp"), "act_embed": None}
 
 Logical = Sequence[str | None]
@@ -259,15 +259,6 @@ def expert_layout(meshes: Meshes) -> ExpertLayout:
     experts=EXPERT_PARAM_RULES["expert"],
     fsdp=EXPERT_PARAM_RULES["embed"],
     tokens=EXPERT_ACTIVATION_RULES["tokens"],
-  )
-
-
-def token_blocks(meshes: Meshes) -> tuple[int, int]:
-  """(row groups, sequence blocks): how the dense layout splits a [B, T] batch. Device g·C + c (the flat
-  order both meshes share) holds rows of group g and sequence block c; the expert layout's token block
-  of the same device is therefore [(g, c)] of the tokens ordered (group, block, row, time)."""
-  return _size(meshes.dense, DENSE_ACTIVATION_RULES["batch"]), _size(
-    meshes.dense, DENSE_ACTIVATION_RULES["seq"]
   )
 
 

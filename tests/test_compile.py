@@ -12,6 +12,7 @@ import importlib.util
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -64,6 +65,7 @@ def test_compile_stage_json_and_memory_against_the_plan(tiny_tpu):
   assert out["flops_per_device"] > 0 and out["compile_seconds"] > 0
   # EP dispatch is an all-to-all (capacity buffers on the tiny config), and so is the sharded Muon.
   assert out["collectives"].get("all-to-all", 0) >= 2, out["collectives"]
+  assert "plan/XLA" in out["report"] and "fits" in out["report"]
 
 
 def _fsdp_groups_are_rings(grid) -> bool:
@@ -90,6 +92,32 @@ def test_meshes_on_a_tpu_torus_put_fsdp_groups_on_rings():
   assert _fsdp_groups_are_rings(meshes.dense.devices)
   plain = np.asarray(devices, dtype=object).reshape(16, 16, 4)
   assert not _fsdp_groups_are_rings(plain)
+
+
+@needs_libtpu
+def test_two_slices_put_the_slices_along_replica():
+  """Two v5p:2x2x1 slices (8 chips): `build_meshes` uses the hybrid mesh, so each replica group lies in
+  one slice and only the replica axis crosses the data-centre network."""
+  devices = compile_stage.topology_devices("v5p:2x2x1", num_slices=2)
+  assert {d.slice_index for d in devices} == {0, 1}
+  meshes = sharding.build_meshes((4, 1, 2), (8, 1), devices)
+  slices = np.vectorize(lambda d: d.slice_index)(meshes.dense.devices)  # [replica, fsdp, context]
+  assert (slices[:2] == 0).all() and (slices[2:] == 1).all(), slices
+
+
+def test_xla_out_of_memory_is_a_result_not_a_crash():
+  """XLA:TPU refuses a program whose temporaries exceed the chip; the stage reports that as
+  fits: false with XLA's number (seen on kimi_k25_1t at 512 chips before the device-major token order)."""
+
+  class Refused:
+    def compile(self):
+      raise jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+        "(3.68T) exceeds available HBM (95.74G)."
+      )
+
+  compiled, failure = compile_stage._compile(Refused())
+  assert compiled is None and failure["temp"] == int(3.68e12) and "RESOURCE_EXHAUSTED" in failure["error"]
 
 
 def test_collective_counts_of_hlo_text():

@@ -290,7 +290,9 @@ def test_clip_scales_adam_and_muon_only_with_clip_muon(clip_muon):
   moved = np.abs(q_b(runs["huge"][1]) - q_b(runs["small"][1])).max()
   assert (moved > 1e-4) if clip_muon else (moved == 0.0), moved
   # AdamW's embedding update on the huge step: Adam of the clipped gradient, as optax computes it.
-  adam = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0))
+  adam = optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0)
+  )
   g = {"all": huge}
   ref, _ = adam.update(g, adam.init({"all": params}), {"all": params})
   np.testing.assert_allclose(runs["huge"][0]["final_norm"], ref["all"]["final_norm"], rtol=1e-5, atol=1e-9)

@@ -167,3 +167,15 @@ def test_full_scale_plans_run(variant, params_b, tmp_path):
   assert m["ns_flops_per_device"] >= m["ns_flops_total"] / devices  # padding never helps
   assert m["ns_seconds"] == pytest.approx(m["ns_flops_per_device"] / float(config.train.peak_flops))
   assert out["peak_bytes"] > 0 and all(v >= 0 for v in out["collectives"].values())
+
+
+def test_a_plan_that_does_not_fit_says_so_in_one_line(tmp_path, caplog):
+  """A config over its budget is a result (fits: false), with one line naming the biggest items and
+  the knob to turn."""
+  config = _config_dict("moonlight_16b")
+  config.plan.hbm_gib = 8.0
+  with caplog.at_level("WARNING"):
+    out = plan.run(configs.from_config(config), str(tmp_path))
+  assert out["fits"] is False and out["hbm_bytes"] == int(8 * 2**30 * 0.75)  # jax's GPU preallocation
+  lines = [r.getMessage() for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  assert len(lines) == 1 and "biggest:" in lines[0] and "to turn:" in lines[0], lines

@@ -43,7 +43,11 @@ _WEIGHT_AXES = (W_GATE_AXES, W_UP_AXES, W_DOWN_AXES)
 
 
 def dispatch(x_TD, expert_ids_TK, weights, cfg: ModelConfig, meshes):
-  """Routed-expert outputs [T, K, D] for every assignment, and the dropped-assignment count."""
+  """Routed-expert outputs [T, K, D] for every assignment, and the dropped-assignment count.
+
+  The tokens split over the expert mesh in order, each device taking one contiguous run: flatten a
+  batch with `device_major`, so that these runs are the tokens each device already holds.
+  """
   ep = sharding.expert_layout(meshes)
   n_devices, n_ep = ep.size(ep.tokens), ep.size(ep.experts)
   if x_TD.shape[0] % n_devices:
@@ -59,6 +63,33 @@ def dispatch(x_TD, expert_ids_TK, weights, cfg: ModelConfig, meshes):
     out_specs=(tokens, jax.sharding.PartitionSpec()),
   )
   return fn(x_TD, expert_ids_TK, *weights)
+
+
+def device_major(x_BT, meshes):
+  """[B, T, ...] → [B·T, ...] with each dense-mesh device's tokens (B/R rows of its batch shard, T/C
+  positions of its context shard) one contiguous run, in device order.
+
+  A plain flatten matches the dense layout only with one row per device or no context split; otherwise
+  the tokens must move before the expert mesh can take them, and on kimi_k25_1t with 2 rows per chip
+  (512 chips) GSPMD replicated the attention instead (3.7 TB of temporaries). Splitting B and T into
+  (shards, local) first keeps every step of the reorder local to a device.
+  """
+  B, T, rest = x_BT.shape[0], x_BT.shape[1], x_BT.shape[2:]
+  deg = sharding.degrees(meshes)
+  r, c = deg.batch, deg.seq
+  if B % r or T % c:
+    return x_BT.reshape(B * T, *rest)
+  return x_BT.reshape(r, B // r, c, T // c, *rest).swapaxes(1, 2).reshape(B * T, *rest)
+
+
+def from_device_major(x_T, batch: int, meshes):
+  """The inverse of `device_major`: [B·T, ...] → [B, T, ...] for B = `batch` rows."""
+  T, rest = x_T.shape[0] // batch, x_T.shape[1:]
+  deg = sharding.degrees(meshes)
+  r, c = deg.batch, deg.seq
+  if batch % r or T % c:
+    return x_T.reshape(batch, T, *rest)
+  return x_T.reshape(r, c, batch // r, T // c, *rest).swapaxes(1, 2).reshape(batch, T, *rest)
 
 
 def _gather_fsdp(weights, ep: sharding.ExpertLayout, dtype):

@@ -18,13 +18,14 @@ In the stacked layout (transformer.py) the router bias of all MoE layers is one 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from composer_jax import backend, sharding
+from composer_jax import backend
 from composer_jax.model import expert_parallel
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import W_DOWN_AXES, W_GATE_AXES, W_UP_AXES, capacity, experts_local
@@ -108,26 +109,6 @@ def _expert_parallel(meshes, n_tokens: int) -> bool:
   return meshes is not None and meshes.expert_parallelism > 1 and n_tokens % len(meshes.devices) == 0
 
 
-def _blocks(meshes, B: int, T: int) -> tuple[int, int]:
-  """(row groups, sequence blocks) of the dense layout when the batch splits into them, else (1, 1)."""
-  g, c = sharding.token_blocks(meshes)
-  return (g, c) if B % g == 0 and T % c == 0 else (1, 1)
-
-
-def to_expert_order(x_BT_, g: int, c: int) -> jax.Array:
-  """[B, T, ...] → [B·T, ...] in (row group, sequence block, row, time) order: each device's tokens are
-  one contiguous block, so the expert mesh's token split keeps every token where it is (sharding.py)."""
-  B, T = x_BT_.shape[:2]
-  x = x_BT_.reshape(g, B // g, c, T // c, *x_BT_.shape[2:])
-  return jnp.swapaxes(x, 1, 2).reshape(B * T, *x_BT_.shape[2:])
-
-
-def from_expert_order(x_N_, B: int, T: int, g: int, c: int) -> jax.Array:
-  """The inverse of `to_expert_order`: [B·T, ...] → [B, T, ...]."""
-  x = x_N_.reshape(g, c, B // g, T // c, *x_N_.shape[1:])
-  return jnp.swapaxes(x, 1, 2).reshape(B, T, *x_N_.shape[1:])
-
-
 def resolve(cfg: ModelConfig, meshes, expert_parallel_path: bool) -> ModelConfig:
   """`cfg` with `expert_impl` resolved for this call (`backend.expert_impl`). tokamax's Mosaic kernels
   run only inside `shard_map` (the EP dispatch) or on one device; elsewhere they fall back to "ragged"."""
@@ -160,35 +141,35 @@ class MoE(nnx.Module):
     the experts used [B, T, K]."""
     cfg = self.cfg
     B, T, D = x_BTD.shape
-    x_TD = x_BTD.reshape(B * T, D)
+    ep = _expert_parallel(meshes, B * T)
+    if ep:  # tokens in the order the expert mesh takes them: each device's own tokens, contiguous
+      flatten = functools.partial(expert_parallel.device_major, meshes=meshes)
+      unflatten = functools.partial(expert_parallel.from_device_major, batch=B, meshes=meshes)
+    else:
+      flatten = lambda x_BT: x_BT.reshape(B * T, *x_BT.shape[2:])  # noqa: E731
+      unflatten = lambda x_T: x_T.reshape(B, T, *x_T.shape[1:])  # noqa: E731
+    x_TD = flatten(x_BTD)
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-    forced_TK = None if routed_experts_BTK is None else routed_experts_BTK.reshape(B * T, cfg.top_k)
+    forced_TK = None if routed_experts_BTK is None else flatten(routed_experts_BTK)
     r = route(logits_TE, jax.lax.stop_gradient(self.router_bias[...]), cfg, forced_TK)
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    ep = _expert_parallel(meshes, B * T)
     cfg = resolve(cfg, meshes, ep)
     if ep:
-      g, c = _blocks(meshes, B, T)
-      ids_BTK = r.expert_ids_TK.reshape(B, T, cfg.top_k)
-      y_NKD, dropped = expert_parallel.dispatch(
-        to_expert_order(x_BTD, g, c), to_expert_order(ids_BTK, g, c), weights, cfg, meshes
-      )
-      y_TKD = from_expert_order(y_NKD, B, T, g, c).reshape(B * T, cfg.top_k, D)
+      y_TKD, dropped = expert_parallel.dispatch(x_TD, r.expert_ids_TK, weights, cfg, meshes)
     else:
       A = B * T * cfg.top_k
       slots = capacity(A, cfg.n_experts, cfg.capacity_factor)
       where = backend.platform(meshes)
       y_AD, dropped = experts_local(x_TD, r.expert_ids_TK.reshape(-1), *weights, cfg, slots, cfg.top_k, where)
       y_TKD = y_AD.reshape(B * T, cfg.top_k, D)
-    y_BTD = combine(y_TKD, r.weights_TK).reshape(B, T, D).astype(x_BTD.dtype)
+    y_BTD = unflatten(combine(y_TKD, r.weights_TK)).astype(x_BTD.dtype)
     if cfg.n_shared_experts:
       y_BTD = y_BTD + self.shared(x_BTD)
+    ids_BTK = unflatten(r.expert_ids_TK)
     aux = {
       "expert_load": expert_load(r.expert_ids_TK, cfg.n_experts),
       "overflow": dropped.astype(jnp.float32),
-      "balance_loss": sequence_balance_loss(
-        r.scores_TE.reshape(B, T, -1), r.expert_ids_TK.reshape(B, T, -1), cfg.n_experts
-      ),
-      "routed_experts": r.expert_ids_TK.reshape(B, T, cfg.top_k),
+      "balance_loss": sequence_balance_loss(unflatten(r.scores_TE), ids_BTK, cfg.n_experts),
+      "routed_experts": ids_BTK,
     }
     return y_BTD, aux

@@ -155,12 +155,31 @@ def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
   }
 
 
+_OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def _compile(lowered: jax.stages.Lowered) -> tuple[Any, dict[str, Any] | None]:
+  """(compiled, None), or (None, {"error": ..., "temp": bytes}) when XLA gives up for lack of HBM:
+  XLA:TPU refuses a program whose temporaries exceed the chip ("RESOURCE_EXHAUSTED: Ran out of memory
+  on HBM, the total memory required for HLO temporaries (3.68T) exceeds available HBM (95.74G)")."""
+  try:
+    return lowered.compile(), None
+  except jax.errors.JaxRuntimeError as e:
+    message = str(e)
+    if "RESOURCE_EXHAUSTED" not in message:
+      raise
+    found = _OOM.search(message)
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    temp = int(float(found.group(1)) * scale[found.group(2)]) if found else None
+    return None, {"error": message.strip().splitlines()[-1][:300], "temp": temp}
+
+
 def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[str, Any]:
   """Lowers and compiles `config.compile.step` on `devices`; the analysis next to the plan's."""
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
   lower = {"train": lower_train_step, "rl": lower_rl_step}[config.compile.step]
   t0, cpu0 = time.perf_counter(), time.process_time()
-  compiled = lower(config, meshes).compile()
+  compiled, failure = _compile(lower(config, meshes))
   seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
   plan = core.make_plan(config, tpu=devices[0].platform == "tpu")
   kind = devices[0].device_kind
@@ -172,8 +191,13 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
     "device_kind": kind,
   }
   # wall time, and CPU time of all this process's threads (a loaded host stretches the wall time)
-  result |= {"compile_seconds": seconds, "compile_cpu_seconds": cpu_seconds} | analyse(compiled)
-  result |= {"plan": plan.xla, "hbm_bytes": hbm, "fits": result["memory"]["peak"] <= hbm if hbm else None}
+  result |= {"compile_seconds": seconds, "compile_cpu_seconds": cpu_seconds}
+  if failure is None:
+    result |= analyse(compiled)
+    result["fits"] = result["memory"]["peak"] <= hbm if hbm else None
+  else:  # XLA's own verdict: too big for the chip; only its temporaries are known
+    result |= {"memory": {"temp": failure["temp"]}, "fits": False, "error": failure["error"]}
+  result |= {"plan": plan.xla, "hbm_bytes": hbm}
   result["biggest_plan_terms"] = report.biggest_terms(plan)
   if config.compile.step != "train":
     result["plan_note"] = "the planner models the pretraining step; compare the RL step's state only"
@@ -181,18 +205,27 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
 
 
 def run(config: configs.Config, workdir: str) -> dict[str, Any]:
-  """The `compile` stage body: compiles for `config.compile.topology`, logs a table, writes
-  `<workdir>/compile.json` and returns it. A step that does not fit is a result (`fits: false`)."""
+  """The `compile` stage body: compiles for `config.compile.topology`, logs a table (also returned
+  under "report"), writes `<workdir>/compile.json` and returns it. A step that does not fit is a result
+  (`fits: false`, one line with its biggest items and the knob to turn), also when XLA refuses it."""
   config = configs.from_config(config)
   c = config.compile
   if c.step not in ("train", "rl"):
     raise ValueError(f"compile.step={c.step!r}: must be 'train' or 'rl'.")
   devices = topology_devices(c.topology, c.num_slices)
   result = {"topology": c.topology, "num_slices": c.num_slices} | compile_config(config, devices)
-  logging.info("%s", report.format_compile(result))
+  if "error" in result:  # XLA refused the program: only its temporaries are known
+    lines = [f"compile {config.variant} on {c.topology}: {result['error']}"]
+  else:
+    lines = [report.format_compile(result)]
   if result["fits"] is False:
-    items = [("temp", result["memory"]["temp"])] + [tuple(t) for t in result["biggest_plan_terms"]]
-    logging.warning("%s", report.does_not_fit(result["memory"]["peak"], result["hbm_bytes"], items))
+    temp = result["memory"]["temp"] or 0
+    items = [("temp", temp)] + [tuple(t) for t in result["biggest_plan_terms"]]
+    lines.append(report.does_not_fit(result["memory"].get("peak", temp), result["hbm_bytes"], items))
+  result["report"] = "\n".join(lines)
+  logging.info("%s", result["report"])
+  if result["fits"] is False:
+    logging.warning("%s", lines[-1])
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / "compile.json").write_text(json.dumps(result, indent=1))

@@ -49,6 +49,40 @@ class Plan:
     return None if self.hbm_bytes is None else self.peak_bytes <= self.hbm_bytes
 
 
+def _temporaries(cfg, layout, params, mem, acts, muon, micro, seq, accum, tpu) -> tuple[dict, int]:
+  """(phases, temp): the live temporaries of each phase and the step's predicted temp bytes.
+
+  The peak is the largest live set of the passes or of the update (all gradients, Muon's largest
+  group in flight, the full fp32 embedding gradient GSPMD builds from the token gather). Without remat
+  (validated on XLA:CPU): all residuals at the start of the backward pass, plus, with scanned stacks,
+  the stacks' gradients (the backward loop writes them into [L, ...] buffers allocated whole while the
+  stacked residuals are still live; +11% on tiny), or every gradient and the fp32 sum when
+  accumulating. With remat (validated on XLA:TPU): the larger live peak of `memory.remat_phases`. On
+  TPU, XLA's heap overhead and embedding-gradient buffers on top.
+  """
+  grads = sum(mem[m]["grads"] for m in ("dense", "expert"))
+  accum_f32 = sum(mem[m]["grad_accum_f32"] for m in ("dense", "expert"))
+  embedding_grad = cfg.vocab_size * cfg.d_model * 4
+  update = {
+    "grads": grads,
+    "muon_group": muon["largest_group_in_flight_bytes"],
+    "embedding_grad": embedding_grad,
+  }
+  if cfg.remat == "none":
+    stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
+    passes = {"residuals": acts["total"], "grads": grads + accum_f32 if accum > 1 else stacked_grads}
+    phases = {"passes": passes, "update": update}
+  else:
+    phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu) | {"update": update}
+    if accum > 1:
+      phases["backward"] |= {"stacked_grads": grads, "grad_accum_f32": accum_f32}
+  temp = max(sum(terms.values()) for terms in phases.values())
+  if tpu:  # the heap overhead was measured with remat (tiny, without it, matches its live set: 1.05)
+    heap = memory.TPU_HEAP_OVER_LIVE if cfg.remat != "none" else 1.0
+    temp = int(temp * heap) + memory.TPU_EMBEDDING_GRAD_COPIES * embedding_grad
+  return phases, temp
+
+
 def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
   """The plan of an experiment config (its `plan` section included); `tpu`: byte counts in XLA:TPU's
   tiled layout (the compile stage's target), else dense (GPU)."""
@@ -68,28 +102,9 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
   state = sum(
     v for mesh in ("dense", "expert") for k, v in mem[mesh].items() if k not in ("grads", "grad_accum_f32")
   )
-  grads = sum(mem[m]["grads"] for m in ("dense", "expert"))
-  accum_f32 = sum(mem[m]["grad_accum_f32"] for m in ("dense", "expert"))
   coll = comms.collective_bytes(cfg, layout, params, accum, rows)
   muon = comms.muon_work(params, ocfg.ns_steps)
-  # Peak of the step's temporaries, the larger of the passes and the update (gradients, new params and
-  # Muon's largest padded group twice). Without remat (validated on XLA:CPU): all residuals at the start
-  # of the backward pass, plus, with scanned stacks, the stacks' gradients (the backward loop writes
-  # them into [L, ...] buffers allocated whole while the stacked residuals are still live; +11% on tiny),
-  # or every gradient and the fp32 sum when accumulating. With remat (validated on XLA:TPU): the larger
-  # of the two live peaks of `memory.remat_phases`, on TPU times its heap overhead.
-  update = 2 * grads + 2 * muon["largest_group_stack_bytes"]
-  stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
-  phases = {}
-  if cfg.remat == "none":
-    passes = acts["total"] + (grads + accum_f32 if accum > 1 else stacked_grads)
-  else:
-    phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu)
-    if accum > 1:
-      phases["backward"] |= {"stacked_grads": grads, "grad_accum_f32": accum_f32}
-    passes = max(sum(terms.values()) for terms in phases.values())
-    passes = int(passes * memory.TPU_HEAP_OVER_LIVE) if tpu else passes
-  temp = max(passes, update)
+  phases, temp = _temporaries(cfg, layout, params, mem, acts, muon, micro, seq, accum, tpu)
   peak = state + mem["other"]["batch"] + temp
   xla = {
     "argument": state + mem["other"]["batch"],
@@ -122,20 +137,25 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
     collectives=coll,
     muon=muon,
     phases=phases,
-    hbm_bytes=int(pcfg.hbm_gib * 2**30) if pcfg.hbm_gib else None,
+    # on TPU the compile stage checks the chip's HBM itself; a GPU gets jax's preallocated share of it
+    hbm_bytes=int(pcfg.hbm_gib * 2**30 * (1.0 if tpu else pcfg.mem_fraction)) if pcfg.hbm_gib else None,
     notes=tuple(notes),
   )
 
 
 def run(config: configs.Config, workdir: str) -> dict[str, Any]:
-  """The `plan` stage: logs the plan's tables, writes `<workdir>/plan.json`, returns it as a dict.
+  """The `plan` stage: logs the plan's tables, writes `<workdir>/plan.json`, returns it as a dict (the
+  tables as text under "report", for the runner to print).
 
   A plan that does not fit `plan.hbm_gib` is still a result (`fits: false`, one line saying so)."""
   plan = make_plan(config)
-  logging.info("%s", report.format_plan(plan))
+  text = report.format_plan(plan)
   if plan.fits is False:
-    logging.warning("%s", report.does_not_fit(plan.peak_bytes, plan.hbm_bytes, report.biggest_terms(plan)))
-  out = plan.to_dict() | {"fits": plan.fits}
+    text += "\n" + report.does_not_fit(plan.peak_bytes, plan.hbm_bytes, report.biggest_terms(plan))
+  logging.info("%s", text)
+  if plan.fits is False:
+    logging.warning("%s", text.splitlines()[-1])
+  out = plan.to_dict() | {"fits": plan.fits, "report": text}
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / "plan.json").write_text(json.dumps(out, indent=1))

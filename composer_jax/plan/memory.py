@@ -221,11 +221,14 @@ def activation_memory(
   return terms, rows
 
 
-# XLA:TPU's heap (`memory_analysis().temp_size_in_bytes`) over the peak of its live temporaries, from
-# the buffer-assignment dumps of the moonlight_16b train step on v5p:4x4x4 (remat full, scanned): 1.18 at
-# 2 layers, 1.39 at 27 (the heap places the head's [b·t, V] buffers and the block's working set at
-# offsets that overlap in address, not in time). The planner's TPU temp is its live peak × this.
-TPU_HEAP_OVER_LIVE = 1.3
+# XLA:TPU's temporaries (`memory_analysis().temp_size_in_bytes`) against the planner's live peak, fitted
+# on the compile stage's moonlight_16b (2 and 27 layers, vocab 163840 and 32768) and kimi_k25_1t steps
+# with their buffer-assignment dumps: the HLO heap is 1.0-1.2x the live peak (buffers placed at
+# offsets that overlap in address, not in time), and the memory_analysis total adds ~3x the fp32
+# embedding table outside that heap (the embedding gradient's SparseCore scatter-add and all-reduce
+# buffers: +0.9 GB at vocab 32768, +3.1-4.6 GB at 163840 x 2048, +17.8 GB at 163840 x 7168).
+TPU_HEAP_OVER_LIVE = 1.1
+TPU_EMBEDDING_GRAD_COPIES = 3
 
 
 def _gathered_layer_bytes(cfg: ModelConfig, layout: Layout, params: list[Leaf]) -> int:

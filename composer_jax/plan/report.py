@@ -35,7 +35,7 @@ def biggest_terms(plan: Any, n: int = 3) -> list[tuple[str, int]]:
     for k, v in plan.memory[mesh].items():
       if k != "step":
         terms[k] = terms.get(k, 0) + v
-  terms["muon_stacks"] = 2 * plan.muon["largest_group_stack_bytes"]
+  terms["muon_stacks"] = plan.muon["largest_group_in_flight_bytes"]
   return sorted(terms.items(), key=lambda kv: -kv[1])[:n]
 
 
@@ -67,7 +67,7 @@ def format_plan(plan: Any) -> str:
   lines.append("  activations (one micro-batch, saved for backward):")
   for term, v in plan.activations.items():
     lines.append(f"    {term:<26}{'':>28}{_gib(v):>14}")
-  hbm = f" of {plan.hbm_bytes / 2**30:.0f} GiB HBM" if plan.hbm_bytes else ""
+  hbm = f" of {plan.hbm_bytes / 2**30:.0f} GiB usable HBM" if plan.hbm_bytes else ""
   over = " — DOES NOT FIT" if plan.fits is False else ""
   lines.append(f"  {'peak (estimate)':<28}{'':>28}{_gib(plan.peak_bytes):>14}{hbm}{over}")
   lines.append("")

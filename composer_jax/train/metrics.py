@@ -36,6 +36,7 @@ class MetricsWriter:
     self._jsonl, self._tb = None, None
     if self.enabled:
       self.directory.mkdir(parents=True, exist_ok=True)
+      self._open()
 
   @property
   def path(self) -> pathlib.Path:
