@@ -68,13 +68,13 @@ def naive_sample(params, cfg, prompts_BP, lengths_B, keys_B, temperature, top_k,
   real_BP = jnp.arange(P)[None, :] < lengths_B[:, None]
   buf_BT = jnp.pad(jnp.where(real_BP, prompts_BP, 0), ((0, 0), (0, N)))
   rows_B = jnp.arange(B)
+  u_BN = jax.vmap(lambda k: jax.random.uniform(k, (N,)))(keys_B)  # as `sampler.decode` draws them
 
   def step(t, carry):
     buf_BT, out_BN = carry
     logits_BTV, _ = model.apply(params, cfg, buf_BT)
     logits_BV = logits_BTV[rows_B, lengths_B + t - 1]
-    keys_t = jax.vmap(jax.random.fold_in, (0, None))(keys_B, t)
-    token_B, _, _ = sampler.select(logits_BV, keys_t, temperature, top_k, top_p)
+    token_B, _, _ = sampler.select_uniform(logits_BV, u_BN[:, t], temperature, top_k, top_p)
     return buf_BT.at[rows_B, lengths_B + t].set(token_B), out_BN.at[:, t].set(token_B)
 
   _, out_BN = jax.lax.fori_loop(0, N, step, (buf_BT, jnp.zeros((B, N), jnp.int32)))

@@ -109,20 +109,41 @@ def select(
   """(token_B, logprob_B under the raw model, logprob_B under the sampling distribution).
 
   temperature = 0 is greedy (argmax of the raw logits, first index on ties). The filters' sort is
-  skipped at run time when both are off.
+  skipped at run time when both are off. One uniform per row from its key (`select_uniform`).
   """
+  u_B = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)
+  return select_uniform(logits_BV, u_B, temperature, top_k, top_p)
+
+
+def select_uniform(
+  logits_BV: jax.Array, u_B: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`select` given each row's uniform in [0, 1), at which the sample inverts the row's CDF. Not
+  Gumbel-max: its V draws per row per token are threefry, a rolled loop on XLA:CPU (two inside every
+  decode step, fold_in and noise: more ops than the tiny model); `decode` draws all uniforms once."""
   logits_BV = logits_BV.astype(jnp.float32)
   safe_t = jnp.where(temperature > 0, temperature, 1.0)
   needs_filter = (top_k > 0) | (top_p < 1.0)
   tempered_BV = jax.lax.cond(
     needs_filter, lambda z: filter_logits(z, top_k, top_p), lambda z: z, logits_BV / safe_t
   )
-  sampled_B = jax.vmap(jax.random.categorical)(keys_B, tempered_BV).astype(jnp.int32)
+  sampled_B = inverse_cdf(tempered_BV, u_B)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   token_B = jnp.where(temperature > 0, sampled_B, greedy_B)
   logprob_B = _take(jax.nn.log_softmax(logits_BV, axis=-1), token_B)
   sample_logprob_B = jnp.where(temperature > 0, _take(jax.nn.log_softmax(tempered_BV, axis=-1), token_B), 0.0)
   return token_B, logprob_B, sample_logprob_B
+
+
+def inverse_cdf(logits_BV: jax.Array, u_B: jax.Array) -> jax.Array:
+  """A sample of softmax(logits) per row: the first index whose CDF exceeds u·total. Entries of
+  probability 0 are never chosen (rounding at the top falls back to the last entry with mass)."""
+  probs_BV = jnp.exp(logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True))
+  cdf_BV = jnp.cumsum(probs_BV, axis=-1)
+  idx_B = jnp.sum(cdf_BV <= u_B[:, None] * cdf_BV[:, -1:], axis=-1)
+  V = logits_BV.shape[-1]
+  last_B = V - 1 - jnp.argmax(probs_BV[:, ::-1] > 0, axis=-1)
+  return jnp.minimum(idx_B, last_B).astype(jnp.int32)
 
 
 def _take(x_BV: jax.Array, idx_B: jax.Array) -> jax.Array:
@@ -204,7 +225,7 @@ def decode_config(cfg: ModelConfig) -> ModelConfig:
 class _Settings(NamedTuple):
   """The traced sampling settings of one `decode` call."""
 
-  keys: jax.Array  # [B]
+  uniforms: jax.Array  # [B, N]: row b's uniform for its t-th token, all drawn before the loop
   max_new: jax.Array  # [B]
   temperature: jax.Array
   top_k: jax.Array
@@ -214,8 +235,8 @@ class _Settings(NamedTuple):
 
 def _sample_step(s: dict, o: _Settings) -> dict:
   """Samples one token for every live row from `s["logits"]` and writes it at column t."""
-  keys_B = jax.vmap(jax.random.fold_in, (0, None))(o.keys, s["t"])
-  token_B, logprob_B, sample_logprob_B = select(s["logits"], keys_B, o.temperature, o.top_k, o.top_p)
+  u_B = jax.lax.dynamic_index_in_dim(o.uniforms, jnp.minimum(s["t"], o.uniforms.shape[1] - 1), 1, False)
+  token_B, logprob_B, sample_logprob_B = select_uniform(s["logits"], u_B, o.temperature, o.top_k, o.top_p)
   live_B = s["live"]
   stopped_B = jnp.any(token_B[:, None] == o.stop_tokens[None, :], axis=-1)
 
@@ -294,7 +315,8 @@ def decode(
   """
   B, _ = logits.shape
   N = max_new_tokens
-  o = _Settings(keys, jnp.minimum(jnp.asarray(max_new, jnp.int32), N), temperature, top_k, top_p, stop_tokens)
+  u_BN = jax.vmap(lambda k: jax.random.uniform(k, (N,)))(keys)
+  o = _Settings(u_BN, jnp.minimum(jnp.asarray(max_new, jnp.int32), N), temperature, top_k, top_p, stop_tokens)
   state = {
     "t": jnp.zeros((), jnp.int32),
     "cache": cache,
