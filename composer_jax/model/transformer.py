@@ -77,6 +77,16 @@ def stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
   return tuple((name, n) for name, n in ((DENSE, cfg.first_k_dense), (MOE, cfg.n_moe_layers)) if n)
 
 
+def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
+  """`params` with each layer stack [L, ...] split into a list of L per-layer trees, which `apply`
+  runs layer by layer. For a decode loop: split once before the loop, or every step slices (copies)
+  each layer's weights out of the stacks, all expert weights included (XLA:CPU does not hoist them)."""
+  out = dict(params)
+  for name, n in stacks(cfg):
+    out[name] = [jax.tree.map(lambda x, i=i: x[i], params[name]) for i in range(n)]
+  return out
+
+
 def layer_slot(cfg: ModelConfig, layer: int) -> tuple[str, int]:
   """Where decoder layer `layer` (HF's `model.layers.{layer}`) lives: (stack key, index in it)."""
   if not 0 <= layer < cfg.n_layers:
@@ -175,6 +185,13 @@ def _run_stack(cfg, name, stack, x_BTD, ctx, kv, layer0, routed_LBTK, meshes):
     x_BTD, kv, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, forced_BTK)
     return (x_BTD, i + 1, kv), (aux, max_logit_H)
 
+  if isinstance(stack, list):  # `unstack_layers`: one layer at a time, no slicing of stacked weights
+    carry, ys = (x_BTD, jnp.zeros((), jnp.int32), kv), []
+    for i, layer_params in enumerate(stack):
+      carry, y = body(carry, (layer_params, None if routed_LBTK is None else routed_LBTK[i]))
+      ys.append(y)
+    (x_BTD, _, kv), (aux, max_logit_LH) = carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    return x_BTD, kv, aux, max_logit_LH
   n = jax.tree.leaves(stack)[0].shape[0]
   if kv is None and cfg.remat != "none":  # training: recompute the block in the backward pass
     # A loop keeps XLA from merging the recomputation with the forward pass (CSE), so scanned bodies

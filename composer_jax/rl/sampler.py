@@ -207,15 +207,12 @@ def extend(
 
 
 def decode_config(cfg: ModelConfig) -> ModelConfig:
-  """The config of the one-token decode steps on CPU: layers unrolled and the MoE computing every
-  expert for each of the B tokens ("dense": B·E rows, exact, dropless, no sort).
-
-  Why (benchmark shape, B = 8, CPU time per decode step, measured side by side): a scanned stack
-  slices each layer's weights out of the stacked [L, ...] parameters *by copy* every step (all
-  expert weights, ~12 MB a layer here): unrolled, the step took 6.0 ms instead of 14.2 ms. The
-  training default "blocked" pads every expert's rows to `expert_block` (128) in a scan; the
-  capacity path with room for every assignment multiplies E·B·top_k rows (8.2 ms unrolled); dense,
-  B·E rows, 6.0 ms. Other platforms keep their config. Prefill (T > 1) keeps the caller's config.
+  """The config of the one-token decode steps on CPU: layers one by one (`decode` splits the stacks
+  once, `model.unstack_layers`) and the MoE computing every expert for each of the B tokens ("dense":
+  B·E rows, exact, dropless, no sort). Why (benchmark shape, B = 8, CPU): slicing each layer out of
+  the stacks inside the loop copied all expert weights every step (15.6 → 5.6 ms CPU per step); the
+  training default "blocked" pads every expert's rows to `expert_block` (128), and a capacity path
+  with room for every assignment multiplies E·B·top_k rows. Other platforms keep their config.
   """
   if backend.expert_impl(cfg.expert_impl) != "blocked":
     return cfg
@@ -316,6 +313,8 @@ def decode(
   B, _ = logits.shape
   N = max_new_tokens
   u_BN = jax.vmap(lambda k: jax.random.uniform(k, (N,)))(keys)
+  if not decode_config(cfg).scan_layers:  # per-layer weights sliced once, not in every step
+    params = model.unstack_layers(params, cfg)
   o = _Settings(u_BN, jnp.minimum(jnp.asarray(max_new, jnp.int32), N), temperature, top_k, top_p, stop_tokens)
   state = {
     "t": jnp.zeros((), jnp.int32),
