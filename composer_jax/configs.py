@@ -32,6 +32,7 @@ __all__ = [
   "ConfigError",
   "DataConfig",
   "DemoConfig",
+  "GateConfig",
   "MeshConfig",
   "ModelConfig",
   "OptimizerConfig",
@@ -39,6 +40,7 @@ __all__ = [
   "RLConfig",
   "RopeConfig",
   "SFTConfig",
+  "StaleEnvConfig",
   "SynthConfig",
   "TrainConfig",
   "check_path",
@@ -145,7 +147,8 @@ class SFTConfig:
   """
 
   steps: int = 60
-  batch_size: int = 32
+  batch_size: int = 32  # rows per step
+  pack_len: int = 0  # > 0: each row packs random demos up to this many tokens (segment ids); 0: one per row
   demos: int = 2000  # demonstrations generated once (seeded); batches sample from them
   lr: float = 3e-3
   warmup_steps: int = 10
@@ -156,6 +159,16 @@ class SFTConfig:
   hint_fraction: float = 0.7  # of those, share followed by the hint message
   router_bias_rate: float = 1e-3
   eval_problems: int = 64  # fresh toy problems rolled out after SFT (sampled and greedy); 0 skips
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleEnvConfig:
+  """`rl.env="stale"`: arithmetic through tools whose docs may name a retired tool (`rl.envs.stale`)."""
+
+  rate: float = 0.3  # per tool: P(the prompt documents its retired name); ~36 % of episodes need one
+  invalid_penalty: float = 0.25  # reward lost per invalid call
+  max_errors: int = 1  # the episode ends at the first invalid call (retries let RL alone find the rule)
+  max_ops: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +203,7 @@ RL_MODEL = dict(
 class RLConfig:
   """The `rl` stage and `rl.loop.fit`: rollouts, objective, targeted text feedback, schedule."""
 
-  env: str = "toy"  # "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
+  env: str = "stale"  # "stale" | "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
   # The one-command default shows the mechanics in minutes; the measured recipe in which reward rises
   # (benchmarks/RESULTS.md): --config.sft.steps=150 --config.rl.problems_per_step=32.
   steps: int = 20
@@ -199,16 +212,23 @@ class RLConfig:
   objective: str = "drgrpo"  # rl.objectives.OBJECTIVES
   advantage: str = "drgrpo"  # rl.objectives.ADVANTAGES
   tis_cap: float = 2.0  # truncated importance sampling against the sampler's log-probs: weight ≤ cap
-  # targeted text feedback
-  lambda_feedback: float = 0.5  # 0: RL alone
-  # "loss": + λ·D(student‖teacher) / its own token count; "advantage": λ·sg(log q − log p) joins the
-  # flagged tokens' advantages. benchmarks/RESULTS.md has what each did.
+  # targeted text feedback (notes/rl.md §5; benchmarks/RESULTS.md has what each setting did)
+  lambda_feedback: float = 1.0  # 0: RL alone; an exchange rate: the term is on the RL objective's scale
+  # "loss": + λ·D(student‖teacher) on the selected tokens, reduced like the policy loss (same count);
+  # "advantage": λ·clip(sg(log q − log p)) joins the selected tokens' advantages (on-policy distillation).
   feedback_mode: str = "loss"
-  divergence: str = "reverse_kl"  # rl.divergence.KINDS
+  divergence: str = "forward_kl"  # rl.divergence.KINDS; forward: the only one that raises a token the
+  # student does not sample (reverse KL's and the sampled-token gradients vanish at p(y) ≈ 1)
   divergence_top_k: int = 0  # 0: full vocabulary
-  feedback_kinds: str = ""  # comma-separated rl.feedback.KINDS to act on; "": FeedbackRules' default
-  teacher: str = "live"  # "live": the current weights (prefix KV reused); "ema": an EMA copy
-  teacher_ema_rate: float = 0.05  # teacher ← (1 − rate)·teacher + rate·params after each step
+  feedback_tokens: str = "first_divergence"  # | "turn": turn k's tokens up to the first where log p − log q
+  divergence_threshold: float = 1.0  # ... exceeds this many nats (inclusive); "turn": all of turn k
+  feedback_clip: float = 2.0  # per-token cap in nats on the divergence (loss) or |log q − log p| (advantage)
+  feedback_kinds: str = ""  # comma-separated rl.feedback.KINDS to act on; "": the environment's own
+  hint: str = "task"  # "task": the detector's hint; "null": a neutral note (the null-hint control arm)
+  feedback_rows: int = 32  # teacher rows per step, fixed (one compiled program); 0: as many as flagged
+  teacher: str = "frozen"  # "frozen": the weights RL starts from (the SFT checkpoint); "live": the current
+  # weights (= the policy at rollout time: one update per batch; prefix KV reused); "ema": an EMA copy
+  teacher_ema_rate: float = 0.01  # "ema": teacher ← (1 − rate)·teacher + rate·params after each step
   dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal leave the policy loss
   eval_every: int = 20  # the fixed problem set, at step 0 and every N steps; 0 off
   eval_problems: int = 64
@@ -219,8 +239,8 @@ class RLConfig:
   # sampling and episodes
   temperature: float = 1.0
   top_k: int = 0  # sampler top-k; 0 off
-  max_turns: int = 6
-  max_turn_tokens: int = 24  # sampled tokens per assistant turn
+  max_turns: int = 4  # the arithmetic envs need at most 3 calls
+  max_turn_tokens: int = 16  # sampled tokens per assistant turn (a call is at most ~12)
   cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
   # bookkeeping
   seed: int = 0
@@ -235,7 +255,26 @@ class RLConfig:
   model: dict[str, Any] = dataclasses.field(
     default_factory=lambda: dict(RL_MODEL), hash=False, metadata={"overrides": ModelConfig}
   )
+  stale: StaleEnvConfig = StaleEnvConfig()
   coding: CodingEnvConfig = CodingEnvConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+  """The `gate` stage (`rl.gate`): does the hinted teacher beat the student on flagged turns? Before RL."""
+
+  min_flagged: int = 100  # flagged turns (the first per rollout) to collect at least
+  samples: int = 8  # resamples of each flagged turn per context
+  rollouts_per_batch: int = 128
+  max_batches: int = 6
+  seed: int = 777  # problem seeds and sampling keys (apart from the RL steps' and the fixed eval set's)
+  g1_min_gain: float = 0.3  # teacher - student valid rate, with its 95 % CI above 0
+  g2_max_gap: float = 0.05  # |null note - student|
+  g3_min_drop: float = 0.2  # teacher - wrong-content hint
+  g4_min_share: float = 0.8  # turns whose mistake token the teacher makes less likely
+  g4_prefix_tol: float = 0.01  # teacher may not lower the valid prefix's valid mass by more
+  g5_min_gap: float = 0.2  # reward of unflagged - flagged rollouts
+  g5_share: tuple[float, float] = (0.1, 0.6)  # flagged share of rollouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +318,7 @@ class Config:
   synth: SynthConfig = SynthConfig()
   sft: SFTConfig = SFTConfig()
   rl: RLConfig = RLConfig()
+  gate: GateConfig = GateConfig()
   plan: PlanConfig = PlanConfig()
   compile: CompileConfig = CompileConfig()
 

@@ -142,12 +142,13 @@ def evaluate(
   seed: int = 12345,
   temperature: float | None = None,
 ) -> dict[str, float]:
-  """Rollout statistics of `n` fresh toy problems (one rollout each) at the given temperature."""
-  from composer_jax.rl.envs import toy
+  """Rollout statistics of `n` fixed problems of `rcfg.env` (one rollout each; coding: the toy's) at
+  the given temperature."""
+  from composer_jax.rl.envs import factories
 
   rc = dataclasses.replace(rcfg, temperature=rcfg.temperature if temperature is None else temperature)
-  rng = np.random.default_rng([seed])
-  seeds = rng.integers(0, 1 << 30, size=n).tolist()
-  env_list = [toy.ToyEnv(toy.ToyConfig(max_turns=rc.max_turns)) for _ in seeds]
+  if rc.env not in factories.MAKE_ONE:
+    rc = dataclasses.replace(rc, env="toy")
+  env_list, seeds = factories.fixed_set(rc, n, seed)
   trajs = collect(params, cfg, env_list, seeds, jax.random.key(seed), rc)
   return rollout_stats(trajs)

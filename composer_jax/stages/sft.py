@@ -22,7 +22,7 @@ from composer_jax.stages import outputs
 from composer_jax.stages.record import Interrupted, Stage
 
 # What the sampled evaluation after SFT depends on, besides the SFT run itself.
-_ROLLOUT_FIELDS = ("temperature", "top_k", "max_turns", "max_turn_tokens", "cache_len")
+_ROLLOUT_FIELDS = ("env", "stale", "temperature", "top_k", "max_turns", "max_turn_tokens", "cache_len")
 
 
 def sft_optimizer(config: Config) -> configs.OptimizerConfig:
@@ -34,7 +34,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   """SFT on `toy.demonstrations`; resumes from `<workdir>/sft`; evaluates on fresh problems."""
   from composer_jax import train
   from composer_jax.rl import rollout, sft
-  from composer_jax.rl.envs import toy
+  from composer_jax.rl.envs import factories
 
   cfg, scfg = configs.rl_model(config), config.sft
   ocfg = sft_optimizer(config)
@@ -53,9 +53,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
       scfg.steps,
       scfg.batch_size,
     )
-    demos = toy.demonstrations(
-      scfg.demos, seed=config.seed, mistake_fraction=scfg.mistake_fraction, hint_fraction=scfg.hint_fraction
-    )
+    demos = factories.demonstrations(config.rl, scfg, config.seed)
     step = sft.make_sft_step(cfg, tx, optim.lr_schedule(ocfg), router_bias_rate=scfg.router_bias_rate)
     state, summary = sft.fit(state, step, demos, scfg, seed=config.seed, writer=out.writer, save=out.save)
   if summary["interrupted"]:
