@@ -228,6 +228,24 @@ def plot(runs: dict, plots: pathlib.Path, tag: str) -> list[str]:
 # ---- main ------------------------------------------------------------------------------------------
 
 
+_EVAL_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate")
+_STEP_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate", "feedback_turns_per_rollout", "entropy")
+
+
+def compact(runs: dict) -> dict:
+  """The curves the notebook and RESULTS read: fixed-set evals and a few per-step training numbers."""
+  return {
+    arm: {
+      seed: {
+        "evals": [{k: e[k] for k in _EVAL_KEYS if k in e} for e in r["evals"]],
+        "history": [{k: h[k] for k in _STEP_KEYS if k in h} for h in r["history"]],
+      }
+      for seed, r in by_seed.items()
+    }
+    for arm, by_seed in runs.items()
+  }
+
+
 def parse():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", default="runs/rl_feedback")
@@ -241,6 +259,7 @@ def parse():
   ap.add_argument("--tag", default="", help="results and plot file suffix")
   ap.add_argument("--out", default=None, help="also write the markdown summary here")
   ap.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"))
+  ap.add_argument("--results", default=None, help="also write compact results (and the gate) to this folder")
   ap.add_argument("--coding_only", action="store_true", help="1 RL step on the coding env, then stop")
   return ap.parse_args()
 
@@ -306,6 +325,13 @@ def main():
     f"- comparison: {'PASS' if ok else 'FAIL'}",
     "- plots: " + ", ".join(plot(runs, plots, args.tag)),
   ]
+  if args.results:
+    out = pathlib.Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    body = {"runs": compact(runs), "rl": configs.plain(config.rl), "sft": configs.plain(config.sft)}
+    (out / f"rl_feedback{args.tag}.json").write_text(json.dumps(body, indent=None, default=str) + "\n")
+    if pathlib.Path(workdir, "gate.json").exists():
+      (out / f"rl_feedback_gate{args.tag}.json").write_text(pathlib.Path(workdir, "gate.json").read_text())
   text = "\n".join(report)
   print(text, flush=True)
   if args.out:

@@ -133,3 +133,26 @@ def test_gates_pass_and_each_one_can_fail():
   assert not r["gates"]["G4"]["pass"] and "valid-prefix mass" in r["gates"]["G4"]["why"]
   r = _evaluate(**base, r_gap=0.1)  # the mistake costs nothing
   assert not r["gates"]["G5"]["pass"]
+
+
+@pytest.mark.slow
+def test_default_sft_passes_the_gate_and_feedback_leads(tmp_path):
+  """The one-command defaults end to end (minus pretrain/synth, ~8 min on 2 cores): the SFT checkpoint
+  passes every gate, and after the rl stage RL + feedback is ahead of RL alone on the fixed problems."""
+  import importlib.util
+  import pathlib
+
+  from composer_jax import configs, stages
+
+  spec = importlib.util.spec_from_file_location(
+    "composer25", pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = configs.from_config(module.get_config("tiny"))
+  stages.sft.run(config, str(tmp_path))
+  report = stages.gate.run(config, str(tmp_path))
+  assert report["passed"], report["gates"]
+  rl = stages.REGISTRY["rl"]
+  effect = rl.summarize(stages.rl.run(config, str(tmp_path)), tmp_path)["effect"]
+  assert effect["ahead"] and effect["where"].startswith("fixed problems"), effect

@@ -117,13 +117,14 @@ def rl_batch(
   tok: Tokenizer = chat.BYTE_TOKENIZER,
   variant: str = "task",
   rows_cap: int = 0,
+  min_len: int = 64,
 ) -> dict[str, np.ndarray]:
-  """`chat.to_arrays` (padded to a power of two) + group ids (+ `feedback_arrays` when asked).
+  """`chat.to_arrays` (padded to a power of two, at least `min_len`) + group ids (+ `feedback_arrays`).
 
   Trajectories that carry `routed_experts` (collected with routing_replay) add routed_experts
   [B, T, MoE layers, top_k] int16, -1 on padding and wherever unknown (the forward routes those itself).
   """
-  pad_to = bucket(max(len(t) for t in trajs), 64)
+  pad_to = bucket(max(len(t) for t in trajs), min_len)
   a = chat.to_arrays(trajs, pad_to, tok.pad_id)
   batch = {
     k: a[k] for k in ("tokens", "positions", "segment_ids", "loss_mask", "sampler_logprobs", "rewards")

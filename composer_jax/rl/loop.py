@@ -66,7 +66,10 @@ def fit(
     stats = rollout_stats(trajs) | {"rollout_s": time.perf_counter() - t0}
     infos = [e.info() for e in env_list]
     cap = rcfg.feedback_rows
-    batch = rl_batch(trajs, groups, infos, with_feedback=use_fb, rules=rules, variant=rcfg.hint, rows_cap=cap)
+    batch = rl_batch(
+      trajs, groups, infos, with_feedback=use_fb, rules=rules, variant=rcfg.hint, rows_cap=cap,
+      min_len=rcfg.batch_min_len,
+    )  # fmt: skip
     n_fb_rows = int(np.sum(batch["teacher_lengths"] > 0)) if use_fb else 0
     stats["feedback_turns_per_rollout"] = n_fb_rows / len(trajs)
     # With a fixed number of teacher rows, even a batch without a flagged turn takes the teacher's step

@@ -3,17 +3,24 @@
 Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, L teacher tokens
 (hint + turn), N tokens of the flagged turn, V vocab.
 
-loss = RL loss / its count + λ · feedback loss / its count (notes/rl.md §5).
+loss = (RL sum + λ · feedback sum) / RL count: both sums reduced the policy objective's way
+(`objectives.on_objective_scale`), so λ is an exchange rate (notes/rl.md §5; the earlier "each term over its
+own count" made one flagged token weigh ~312·λ RL tokens and the feedback gradient 23-460x the RL one).
 - RL: `policy_loss(logp, sg(logp), adv, mask, objective, sampler_logp)` — one update per batch, so π_old
   is the trainer's own recompute (ratio 1, clip fraction 0) and the sampler/trainer mismatch is corrected
   by truncated IS against the sampler's logprobs (the raw T=1 model logprobs the sampler recorded).
 - Feedback: at most one turn per trajectory (the first one `feedback.detect` flags: the earliest
-  mistake is the one that derails the rest). The student forward runs with a KV cache; the teacher reuses
-  it: stop-gradient, slots at positions ≥ the turn's start hidden (segment id 0), then `sampler.extend`
-  with hint + turn k's tokens. The teacher computes |hint| + |turn| tokens, not the whole prefix.
-  Teacher logits at column j predict teacher token j+1; they are gathered onto the student's columns
-  t = p - 1 for each sampled token p of turn k (column p - 1 + |hint| - start in the teacher's extension).
-- A batch with no detected turn goes to the step without the teacher, where the term is exactly 0.
+  mistake is the one that derails the rest). Teacher: frozen (the weights RL started from) or EMA, which
+  encode the flagged rows' prefix themselves, or live (the current weights = the policy at rollout time),
+  which reuses the student's KV cache. Either way student slots at positions ≥ the turn's start are
+  hidden (segment id 0), then `sampler.extend` appends hint + turn k's tokens. Teacher logits at column j
+  predict teacher token j+1; they are gathered onto the student's columns t = p - 1 for each sampled token
+  p of turn k (column p - 1 + |hint| - start in the teacher's extension).
+- Tokens: turn k's sampled tokens up to and including the first where log p − log q > τ
+  (`first_divergence`); per-token divergence capped at `feedback_clip` nats (`divergence.token_divergence`).
+  Loss form: that divergence; advantage form: λ·clip(sg(log q − log p)) added to those tokens' advantages.
+- A batch with no detected turn contributes exactly 0 through the feedback term (or takes the step
+  without the teacher).
 """
 
 from __future__ import annotations

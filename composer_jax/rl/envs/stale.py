@@ -1,8 +1,8 @@
 """Stale tool docs: arithmetic through tools whose documentation may name a retired tool.
 
-  user: Tools: sum a b, times a b, answer x. Compute (3+4)*5
-  assistant: <|tool_call|>sum 3 4<|/tool_call|>      tool: Error: unknown tool 'sum'.
-  assistant: <|tool_call|>sum 3 4<|/tool_call|>      tool: Error: unknown tool 'sum'.   (...)
+  user: Compute (3+4)*5. Tools: sum a b, times a b, answer x.
+  assistant: <|tool_call|>sum 3 4<|/tool_call|>      tool: Error: unknown tool 'sum'.   (episode over: -0.25)
+  with the hint "Note: the tool sum was renamed to add." before that turn, the call is add 3 4 -> 7 ...
 
 The prompt documents one tool for `+` (first) and one for `*` (second), each under a name from a small
 pool. The SFT warm-up teaches the model to call the tools by their documented names. In this
@@ -50,7 +50,9 @@ class StaleConfig:
 
 
 def docs_text(names: dict[str, str], problem: Problem) -> str:
-  return f"Tools: {names['add']} a b, {names['mul']} a b, answer x. {problem.text}"
+  """The problem first (at a fixed position, as in the toy env: the operands are copied from it), then the
+  tool docs, whose names vary in length."""
+  return f"{problem.text}. Tools: {names['add']} a b, {names['mul']} a b, answer x."
 
 
 def arity(name: str) -> int:
