@@ -5,17 +5,46 @@ an incompatible checkpoint) ends in one line on stderr and exit status 2; an int
 after the stage saved, in one line and status 130.
 """
 
-import importlib.metadata
-import importlib.util
-import math
-import os
-import pathlib
 import signal
 import sys
 
-import jax
-from absl import app, flags, logging
-from ml_collections import config_flags
+
+def _interrupted_early(signum, frame) -> None:
+  """Until the pipeline starts, SIGINT/SIGTERM end the process at once (nothing was done yet). `os._exit`,
+  not an exception: one raised in a signal handler can land in a gc callback, where Python drops it."""
+  import os
+
+  print("run.py: interrupted before any stage started; rerun the same command to start", file=sys.stderr)
+  sys.stderr.flush()
+  os._exit(130)
+
+
+def _redeliver_swallowed_interrupt(unraisable) -> None:
+  """A KeyboardInterrupt that Python could not raise (it landed in a gc or weakref callback) is sent
+  again from another thread a moment later, so that the main thread raises it where the program can
+  handle it (raising it here would only be dropped again); anything else is reported as usual."""
+  if isinstance(unraisable.exc_value, KeyboardInterrupt):
+    import os
+    import threading
+
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+  else:
+    sys.__unraisablehook__(unraisable)
+
+
+signal.signal(signal.SIGINT, _interrupted_early)  # also during the imports below (jax takes seconds)
+signal.signal(signal.SIGTERM, _interrupted_early)
+sys.unraisablehook = _redeliver_swallowed_interrupt
+
+import importlib.metadata  # noqa: E402
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import pathlib  # noqa: E402
+
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _DEFAULT_CONFIG = "experiments/composer25.py"
 
@@ -158,7 +187,7 @@ def main(argv):
 
   if not flags.FLAGS["verbosity"].present:
     console.setup()
-  signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+  console.quiet_teardown()
   try:
     try:  # strict: any unknown key fails here, before any work
       config = configs.from_config(_CONFIG.value)
@@ -169,24 +198,36 @@ def main(argv):
 
     pipeline.parse_stages(config.stages)
     workdir = _usable_workdir(_WORKDIR.value or config.workdir or os.path.join("runs", config.variant))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on an interrupt is reported
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # per stage (training loops save first)
     logging.info(
       "[run] process %d of %d: %d local of %d %s devices",
       jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
       jax.default_backend(),
     )  # fmt: skip
     pipeline.run(config, workdir)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # done: a late signal must not turn exit 0 into a crash
+      signal.signal(sig, signal.SIG_IGN)
   except configs.ConfigError as e:
     _fail(str(e))
-  except KeyboardInterrupt:
-    _fail("interrupted; rerun the same command to resume", 130)
-  except Exception as e:
-    from composer_jax.stages import Interrupted
+  except KeyboardInterrupt:  # outside the stages (before the first, or while the summary was printed)
+    _fail("interrupted; what finished is recorded: rerun the same command to resume", 130)
+  except Exception as e:  # noqa: BLE001 -- the run's own failure kinds end in one line, the rest raise
+    _fail(*_known_failure(e))
 
-    if isinstance(e, Interrupted):
-      _fail(f"{e}; rerun the same command to resume", 130)
-    if type(e).__name__ == "CheckpointError":
-      _fail(str(e).replace("\n", " "))
-    raise
+
+def _known_failure(e: Exception) -> tuple[str, int]:
+  """(one line, exit status) for the failures a user can act on; re-raises anything else."""
+  from composer_jax.stages import Interrupted
+  from composer_jax.train import loop
+
+  if isinstance(e, Interrupted):
+    return f"{e}; what finished and what the stage saved are kept: rerun the same command to resume", 130
+  if isinstance(e, loop.Diverged):
+    return str(e), 1
+  if type(e).__name__ in ("CheckpointError", "CheckpointSaveError"):  # orbax: imported by the stages
+    return str(e).replace("\n", " "), 2 if type(e).__name__ == "CheckpointError" else 1
+  raise e
 
 
 if __name__ == "__main__":

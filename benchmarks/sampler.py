@@ -1,13 +1,13 @@
 """Rollout tokens/s: the KV-cache sampler vs naive full recompute, same model, same sampling, CPU.
 
-  python benchmarks/sampler.py                                     # benchmark shape (as in notes/peers.md)
+  python benchmarks/sampler.py                                     # benchmark shape (Tunix's rollout shape)
   python benchmarks/sampler.py --out benchmarks/RESULTS.md         # append a dated section
   python benchmarks/sampler.py --tiny --new 16 --rounds 1          # smoke test, seconds
   python benchmarks/sampler.py --tunix_python <tunix venv>/bin/python --no_naive   # ours vs Tunix
 
 Model: `model_step.BENCH` (d_model 256, 4 layers, 8 heads, MLA no q-LoRA, 8 experts top-2 + 1
 shared, vocab 1024, fp32), random init. Rollout: 8 sequences, right-padded prompts of 17–32
-tokens, 224 new tokens each, temperature 0.9, top-k 50 (the Tunix rollout of notes/peers.md); no
+tokens, 224 new tokens each, temperature 0.9, top-k 50 (a Tunix rollout's shape); no
 stop tokens, so every row generates all 224 and tokens/s = 8 · 224 / wall time of the call,
 prefill included.
 

@@ -3,8 +3,9 @@
   python benchmarks/sandbox_overhead.py                 # N=20 per side, the project venv's python
   python benchmarks/sandbox_overhead.py --n=5 --python=/path/to/venv/bin/python
 
-Two workloads: `python -c pass` (process start only) and `python -m pytest -q -p no:cacheprovider` on a
-3-test package written to a temp dir. Bare runs use the sandbox's own environment (`default_env`) and the
+Two workloads: `python -c pass` (process start only; also without the whole-tree meter, as the coding
+env's fixed-command tools run) and `python -m pytest -q -p no:cacheprovider` on a 3-test package written
+to a temp dir. Bare runs use the sandbox's own environment (`default_env`) and the
 same cwd, so the difference is bwrap + prlimit (+ the chown to a throw-away uid when run as root). Runs
 alternate bare/sandbox after one warm-up each, so drift in machine load hits both sides alike; the table
 reports medians over N and their difference. Wall time is measured around the whole call on both sides.
@@ -54,9 +55,9 @@ def time_bare(cmd: list[str], task_dir: str, env: dict[str, str]) -> float:
   return dt
 
 
-def time_sandboxed(box: sandbox.Sandbox, cmd: list[str], task_dir: str) -> float:
+def time_sandboxed(box: sandbox.Sandbox, cmd: list[str], task_dir: str, **kw) -> float:
   t0 = time.perf_counter()
-  r = box.run(cmd, task_dir)
+  r = box.run(cmd, task_dir, **kw)
   dt = time.perf_counter() - t0
   if r.returncode != 0 or r.timed_out:
     raise RuntimeError(f"sandboxed {cmd} failed ({r.returncode}): {r.stdout[-500:]}{r.stderr[-500:]}")
@@ -64,14 +65,14 @@ def time_sandboxed(box: sandbox.Sandbox, cmd: list[str], task_dir: str) -> float
 
 
 def measure(
-  name: str, cmd: list[str], task_dir: str, box: sandbox.Sandbox, env: dict[str, str], n: int
+  name: str, cmd: list[str], task_dir: str, box: sandbox.Sandbox, env: dict[str, str], n: int, **kw
 ) -> dict:
   time_bare(cmd, task_dir, env)  # warm-up: page cache, pyc-free imports
-  time_sandboxed(box, cmd, task_dir)
+  time_sandboxed(box, cmd, task_dir, **kw)
   bare, boxed = [], []
   for _ in range(n):
     bare.append(time_bare(cmd, task_dir, env))
-    boxed.append(time_sandboxed(box, cmd, task_dir))
+    boxed.append(time_sandboxed(box, cmd, task_dir, **kw))
   mb, ms = statistics.median(bare) * 1e3, statistics.median(boxed) * 1e3
   return {"workload": name, "n": n, "bare_ms": mb, "sandbox_ms": ms, "overhead_ms": ms - mb}
 
@@ -95,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
   with tempfile.TemporaryDirectory(prefix="sandbox_bench_") as tmp:
     write_package(pathlib.Path(tmp))
     rows.append(measure("python -c pass", [args.python, "-c", "pass"], tmp, box, env, args.n))
+    light = "python -c pass, tree_limits=False"
+    rows.append(measure(light, [args.python, "-c", "pass"], tmp, box, env, args.n, tree_limits=False))
     pytest_cmd = [args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     rows.append(measure("pytest, 3 tests", pytest_cmd, tmp, box, env, args.n))
   print(
     f"python: {args.python}; uid {os.geteuid()}; {os.cpu_count()} CPUs; N={args.n} per side, alternating\n"
   )
+  print(sandbox.limits_statement() + "\n")
   print("| workload | N | bare median ms | sandbox median ms | overhead ms |")
   print("|---|---|---|---|---|")
   for r in rows:

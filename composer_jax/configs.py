@@ -43,14 +43,19 @@ __all__ = [
   "StaleEnvConfig",
   "SynthConfig",
   "TrainConfig",
+  "check_batch",
+  "check_meshes",
   "check_path",
+  "CADENCE",
   "fingerprint",
   "from_config",
+  "identity",
   "from_dict",
   "optimizer_for",
   "plain",
   "pretrain_optimizer",
   "record",
+  "resolve",
   "rl_model",
   "stage_optimizer",
   "to_config_dict",
@@ -102,6 +107,7 @@ class TrainConfig:
   router_bias_rate: float = 1e-3  # DeepSeek-V3 §2.1.2 bias update speed γ
   peak_flops: float = 180e9  # for MFU: ~2 XLA:CPU cores; H100/H200 bf16 dense ~989e12
   grad_accum: int = 1  # micro-batches per step (batch_size/grad_accum divisible by replica·fsdp)
+  max_skipped_in_a_row: int = 10  # non-finite steps in a row that stop the run (unsaved); 0: never
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +296,8 @@ class PlanConfig:
   devices: int | None = None
   peak_flops: float | None = None  # FLOP/s per device for the NS time; None: train.peak_flops
   hbm_gib: float = 141.0  # memory per device the plan is checked against (H200; H100: 80)
+  # share of it jax may use on GPU: it preallocates 75 % by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+  mem_fraction: float = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +319,10 @@ class Config:
   stages: str = "pretrain,synth,sft,gate,rl"  # comma-separated, run in order; a rerun skips finished ones
   force: str = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs moved aside
   workdir: str | None = None  # None: run.py's --workdir, else runs/<variant>
+  # A Hugging Face DeepseekV3 / Kimi-K2 checkpoint directory (config.json + safetensors): its architecture
+  # replaces model's shapes (model's how-to-compute fields stay), demo and pretrain start from its weights,
+  # and its tokenizer.json, when present, is the data tokenizer.
+  init_from: str | None = None
   mesh: MeshConfig = MeshConfig()
   model: ModelConfig = ModelConfig()
   demo: DemoConfig = DemoConfig()
@@ -350,6 +362,17 @@ def stage_optimizer(
   )
 
 
+# Fields that say how long or how often, not what is trained: a checkpoint is continued across a change
+# of these (an extended run), so they stay out of the records that checkpoints are matched on.
+CADENCE = ("steps", "total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
+CADENCE += ("eval_problems", "eval_batches", "compare_without_feedback")
+
+
+def identity(section: Any) -> dict:
+  """A section's fields as a plain dict without its `CADENCE` fields (what a checkpoint must match)."""
+  return {k: v for k, v in plain(section).items() if k not in CADENCE}
+
+
 def pretrain_optimizer(config: Config) -> OptimizerConfig:
   """The pretrain stage's optimizer: `config.optim` over `train.steps` unless `total_steps` is set."""
   return optimizer_for(config.optim, config.train.steps)
@@ -358,6 +381,56 @@ def pretrain_optimizer(config: Config) -> OptimizerConfig:
 def rl_model(config: Config) -> ModelConfig:
   """The small one-device model of the sft and rl stages: `config.model` with `config.rl.model`."""
   return dataclasses.replace(config.model, **config.rl.model)
+
+
+# ModelConfig fields that say how to compute, not what: kept from `model` when `init_from` sets the shapes.
+_COMPUTE_FIELDS = ("dtype", "param_dtype", "expert_impl", "expert_block", "capacity_factor", "dispatch")
+_COMPUTE_FIELDS += ("router_aux_loss_coef", "remat", "init_std")
+
+
+def resolve(config: Config) -> Config:
+  """`config` with what `init_from` implies filled in: the checkpoint's model shapes and tokenizer."""
+  if not config.init_from:
+    return config
+  import json
+  import pathlib
+
+  d = pathlib.Path(config.init_from)
+  if not (d / "config.json").is_file():
+    raise ConfigError(
+      f"init_from {str(d)!r} has no config.json: point it at a Hugging Face checkpoint directory"
+    )
+  compute = {k: getattr(config.model, k) for k in _COMPUTE_FIELDS}
+  try:
+    model = ModelConfig.from_hf(json.loads((d / "config.json").read_text()), **compute)
+  except ValueError as e:
+    raise ConfigError(f"init_from {str(d)!r}: {e}") from None
+  data = config.data
+  if (d / "tokenizer.json").is_file():
+    data = dataclasses.replace(data, tokenizer=str(d))
+  return dataclasses.replace(config, model=model, data=data)
+
+
+def check_meshes(config: Config) -> None:
+  """The two meshes cover the same devices, and the batch and sequence split over them evenly."""
+  import math
+
+  dense, expert = config.mesh.dense, config.mesh.expert
+  if math.prod(dense) != math.prod(expert):
+    raise ConfigError(
+      f"mesh.dense {dense} has {math.prod(dense)} devices but mesh.expert {expert} has {math.prod(expert)}: "
+      "both meshes lay out the same devices"
+    )
+
+
+def check_batch(name: str, batch: int, seq: int, config: Config, micro: int = 1) -> None:
+  """`batch` rows split over replica·fsdp (after `micro` micro-batches), `seq` over context."""
+  replica, fsdp, context = config.mesh.dense
+  if batch % micro or (batch // micro) % (replica * fsdp):
+    per = f"batch / grad_accum = {batch}/{micro}" if micro > 1 else f"{batch} rows"
+    raise ConfigError(f"{name}: {per} must be divisible by replica·fsdp = {replica * fsdp} (mesh.dense)")
+  if seq % context:
+    raise ConfigError(f"{name}: length {seq} must be divisible by context = {context} (mesh.dense)")
 
 
 def from_config(cd: Any) -> Config:

@@ -46,6 +46,29 @@ def setup(verbosity: int = logging.INFO) -> None:
     handler.addFilter(_ours_or_important)
 
 
+def _teardown_noise(record: std_logging.LogRecord) -> bool:
+  """asyncio's report of a future nobody awaited: after a failed async save, orbax's own writes end that
+  way (the failure itself is reported once, by the run)."""
+  return record.name == "asyncio" and "exception was never retrieved" in record.getMessage()
+
+
+def _closed_loop(exc_type: type, exc: BaseException) -> bool:
+  return exc_type is RuntimeError and str(exc) == "Event loop is closed"
+
+
+def quiet_teardown() -> None:
+  """Drops the noise third-party threads print while a failed save is torn down (tensorstore callbacks
+  into orbax's closed event loop, asyncio's unretrieved futures), so a failure ends in the run's one line."""
+  std_logging.getLogger("asyncio").addFilter(lambda r: not _teardown_noise(r))
+  previous = sys.unraisablehook  # tensorstore reports its failed callbacks as unraisable
+
+  def hook(unraisable):
+    if not _closed_loop(unraisable.exc_type, unraisable.exc_value):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+
+
 class _AboveBar:
   """A stream that prints through `tqdm.write`, so a log line goes above an active bar."""
 

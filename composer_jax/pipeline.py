@@ -41,11 +41,14 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   """Runs (or skips, when finished with the same config) each stage of `config.stages`, prints the
   summary and writes `<workdir>/summary.json`; returns {stage: its summary dict}.
 
-  An interrupted stage (it saved first) raises `stages.Interrupted` after the summary of what finished.
+  An interrupt (SIGINT, SIGTERM; a training loop saves first) raises `stages.Interrupted` naming the stage,
+  after the summary of what finished.
   """
-  config = configs.from_config(config)
+  config = configs.resolve(configs.from_config(config))
   names = parse_stages(config.stages)
   force = _parse_force(config.force, names)
+  for name in names:  # every selected stage's config problems, before any stage starts
+    REGISTRY[name].check(config)
   pathlib.Path(workdir, "stages").mkdir(parents=True, exist_ok=True)
   results: dict[str, Any] = {}
   runs: dict[str, dict] = {}
@@ -53,14 +56,9 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     for i, name in enumerate(names):
       logging.info("[pipeline] ===== stage %d/%d: %s =====", i + 1, len(names), name)
       results[name], runs[name] = resume.run_stage(REGISTRY[name], config, workdir, name in force)
-  except (Interrupted, KeyboardInterrupt):
-    logging.warning(
-      "[pipeline] interrupted in stage %s: what it saved is kept; finished stages are recorded under "
-      "%s/stages. Rerun the same command to resume.",
-      names[len(results)],
-      workdir,
-    )
-    raise
+  except (Interrupted, KeyboardInterrupt) as e:
+    why = f": {e}" if str(e) else ""
+    raise Interrupted(f"interrupted in stage {names[len(results)]}{why}") from e
   finally:
     if results:
       logging.info("[pipeline]\n%s", report.write(report.build(results, runs, workdir), workdir))

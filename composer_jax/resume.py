@@ -4,10 +4,11 @@
 
 `<workdir>/stages/<stage>.json` holds the stage's summary, wall time, finish time and `record`: the config
 entries the stage depends on (`stage.depends`) plus the finished runs of the stages it reads
-(`stage.upstream`), fingerprinted. Same fingerprint: skipped. Changed: rerun; a `resume_on_change` stage
-(pretrain) in place (its checkpointer continues what it can, e.g. more steps, and refuses the rest naming
-the field), the others start over with their `outputs` moved to `<workdir>/stages/previous/<stage>-<time>/`
-(never deleted); `force` starts over the same way. No marker is written for an interrupted stage, nor for
+(`stage.upstream`), fingerprinted. Same fingerprint: skipped. Changed: rerun; in place when the stage is
+`resume_on_change` (pretrain: its checkpointer continues what it can and refuses the rest, naming the
+field) or only its `extends` paths changed (more steps, another logging cadence), the marker kept until it
+finishes; otherwise from scratch, with its `outputs` moved to `<workdir>/stages/previous/<stage>-<time>/`
+(never deleted). `force` starts over the same way. No marker is written for an interrupted stage, nor for
 one whose summary says `incomplete`, so the next run resumes or retries it.
 """
 
@@ -68,12 +69,14 @@ def run_stage(stage: Stage, config: Config, workdir: str, force: bool) -> tuple[
     return done["summary"], dict(seconds=done["seconds"], skipped=True, finished=done["finished"])
   elif done is not None and done["fingerprint"] != fp:
     changed = _changed(done["config"], rec)
-    logging.info(
-      "[pipeline] %s: config changed since it finished (%s): rerunning", stage.name, "; ".join(changed[:4])
-    )
-    if stage.resume_on_change:
-      _marker(workdir, stage.name).unlink()
+    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:4])
+    if stage.resume_on_change or all(_covered(k, stage.extends) for k, _, _ in changed):
+      # In place: the marker stays until the stage finishes, so a refused change damages nothing.
+      logging.info(
+        "[pipeline] %s: config changed since it finished (%s): continuing in place", stage.name, shown
+      )
     else:
+      logging.info("[pipeline] %s: config changed since it finished (%s): starting over", stage.name, shown)
       _set_aside(stage, workdir, "config changed")
   t0 = time.perf_counter()
   try:
@@ -107,8 +110,12 @@ def _is_writer() -> bool:
   return jax.process_index() == 0
 
 
-def _changed(saved: dict, current: dict) -> list[str]:
-  """Dotted keys whose values differ, e.g. ['rl.steps: 20 -> 30']."""
+def _covered(key: str, paths: tuple[str, ...]) -> bool:
+  return any(key == p or key.startswith(p + ".") for p in paths)
+
+
+def _changed(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+  """(dotted key, saved value, current value) where they differ, e.g. [('rl.steps', 20, 30)]."""
 
   def flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
@@ -117,9 +124,7 @@ def _changed(saved: dict, current: dict) -> list[str]:
 
   a, b = flat(saved), flat(current)
   return [
-    f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-    for k in sorted(set(a) | set(b))
-    if a.get(k) != b.get(k)
+    (k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
   ]
 
 

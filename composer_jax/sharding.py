@@ -18,7 +18,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.experimental import mesh_utils
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 DENSE_AXES = ("replica", "fsdp", "context")
 EXPERT_AXES = ("expert", "expert_fsdp")
@@ -82,13 +83,18 @@ class Meshes:
 
   @property
   def expert_parallelism(self) -> int:
-    return self.expert.shape["expert"]
+    return _size(self.expert, EXPERT_PARAM_RULES["expert"])
 
 
 def build_meshes(
   dense_shape: Sequence[int], expert_shape: Sequence[int], devices: Sequence[jax.Device] | None = None
 ) -> Meshes:
-  """Both meshes from one device list; a size that doesn't match the device count is an error."""
+  """Both meshes from one device array; a size that doesn't match the device count is an error.
+
+  The dense mesh's device array comes from `device_grid` (topology-aware on TPU); the expert mesh is
+  the same devices in the same flat order, reshaped. So the inner axes of both meshes (fsdp·context,
+  expert_fsdp) are runs of consecutive devices of that order: neighbouring chips on a TPU torus.
+  """
   devices = list(jax.devices() if devices is None else devices)
   dense_shape, expert_shape = tuple(int(s) for s in dense_shape), tuple(int(s) for s in expert_shape)
   for name, shape, axes in (("dense", dense_shape, DENSE_AXES), ("expert", expert_shape, EXPERT_AXES)):
@@ -99,10 +105,36 @@ def build_meshes(
         f"The {name} mesh {dict(zip(axes, shape, strict=True))} has {math.prod(shape)} devices but "
         f"{len(devices)} are available; make the product of its sizes equal {len(devices)}."
       )
-  flat = np.asarray(devices, dtype=object)
-  dense = Mesh(flat.reshape(dense_shape), DENSE_AXES, axis_types=(AxisType.Auto,) * len(DENSE_AXES))
-  expert = Mesh(flat.reshape(expert_shape), EXPERT_AXES, axis_types=(AxisType.Auto,) * len(EXPERT_AXES))
+  grid = device_grid(dense_shape, devices)
+  dense = Mesh(grid, DENSE_AXES, axis_types=(AxisType.Auto,) * len(DENSE_AXES))
+  expert = Mesh(grid.reshape(expert_shape), EXPERT_AXES, axis_types=(AxisType.Auto,) * len(EXPERT_AXES))
   return Meshes(dense=dense, expert=expert)
+
+
+def device_grid(dense_shape: tuple[int, ...], devices: list[jax.Device]) -> np.ndarray:
+  """The devices as an array of the dense mesh's shape.
+
+  Devices with torus coordinates (TPU) go through `mesh_utils.create_device_mesh`, which lays the
+  innermost mesh axes along physical links so an fsdp or context group is a compact block of chips;
+  several slices (devices with distinct `slice_index`) through `create_hybrid_device_mesh`, with
+  the slices along `replica` (only gradient all-reduces cross the data-centre network). Other
+  devices (CPU, GPU) keep their order: a plain reshape.
+  """
+  flat = np.asarray(devices, dtype=object)
+  if not all(hasattr(d, "coords") for d in devices):
+    return flat.reshape(dense_shape)
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  replica = DENSE_AXES.index("replica")
+  if slices > 1:
+    if dense_shape[replica] % slices:
+      raise ValueError(
+        f"{slices} slices need the dense mesh's replica axis ({dense_shape[replica]}) to be a multiple "
+        f"of {slices}."
+      )
+    dcn = tuple(slices if i == replica else 1 for i in range(len(dense_shape)))
+    ici = tuple(s // d for s, d in zip(dense_shape, dcn, strict=True))
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+  return mesh_utils.create_device_mesh(dense_shape, devices, allow_split_physical_axes=True)
 
 
 def make_meshes(config: Any, devices: Sequence[jax.Device] | None = None) -> Meshes:
@@ -172,6 +204,103 @@ def _axis_size(meshes: Meshes, sharding: NamedSharding, dim: int) -> int:
   if axis is None:
     return 1
   return math.prod(sharding.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+
+
+def _names(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  return () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
+
+
+def _size(mesh: Any, rule: str | tuple[str, ...] | None) -> int:
+  """Devices a rule's mesh axes span together (1 for a replicated logical axis)."""
+  return math.prod(mesh.shape[a] for a in _names(rule))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+  """The expert mesh as the expert-parallel dispatch sees it, read from this module's rules.
+
+  experts: the mesh axes whole experts are spread over (rule of logical `expert`); tokens travel along
+  them. fsdp: the axes that shard d_model inside each expert (rule of `embed` on the expert mesh),
+  gathered before the expert matmuls. tokens: the axes the flattened tokens split over.
+  """
+
+  mesh: Mesh
+  experts: str | tuple[str, ...]
+  fsdp: str | tuple[str, ...] | None
+  tokens: str | tuple[str, ...]
+
+  def size(self, rule: str | tuple[str, ...] | None) -> int:
+    return _size(self.mesh, rule)
+
+  def param_spec(self, logical_axes: Logical) -> PartitionSpec:
+    return _spec(logical_axes, EXPERT_PARAM_RULES, None, self.mesh)
+
+  def token_spec(self) -> PartitionSpec:
+    return _spec(("tokens",), EXPERT_ACTIVATION_RULES, None, self.mesh)
+
+
+def expert_layout(meshes: Meshes) -> ExpertLayout:
+  return ExpertLayout(
+    mesh=meshes.expert,
+    experts=EXPERT_PARAM_RULES["expert"],
+    fsdp=EXPERT_PARAM_RULES["embed"],
+    tokens=EXPERT_ACTIVATION_RULES["tokens"],
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Degrees:
+  """How many ways each logical role is split by a pair of mesh shapes (the planner's view).
+
+  batch: rows of a batch (dense `batch`); seq: context parallelism (dense `seq`); fsdp: dense
+  parameters' `embed`; experts: expert parallelism (`expert`); expert_fsdp: experts' `embed`.
+  """
+
+  devices: int
+  batch: int
+  seq: int
+  fsdp: int
+  experts: int
+  expert_fsdp: int
+
+
+def degrees(meshes: Meshes) -> Degrees:
+  """The split degrees of (possibly abstract) meshes."""
+  dense, expert = meshes.dense, meshes.expert
+  return Degrees(
+    devices=math.prod(dense.shape.values()),
+    batch=_size(dense, DENSE_ACTIVATION_RULES["batch"]),
+    seq=_size(dense, DENSE_ACTIVATION_RULES["seq"]),
+    fsdp=_size(dense, DENSE_PARAM_RULES["embed"]),
+    experts=_size(expert, EXPERT_PARAM_RULES["expert"]),
+    expert_fsdp=_size(expert, EXPERT_PARAM_RULES["embed"]),
+  )
+
+
+def abstract_meshes(dense_shape: Sequence[int], expert_shape: Sequence[int]) -> Meshes:
+  """Both meshes as `AbstractMesh`es: shardings and shard shapes without any devices."""
+  auto = AxisType.Auto
+  dense = AbstractMesh(tuple(dense_shape), DENSE_AXES, axis_types=(auto,) * len(DENSE_AXES))
+  expert = AbstractMesh(tuple(expert_shape), EXPERT_AXES, axis_types=(auto,) * len(EXPERT_AXES))
+  return Meshes(dense=dense, expert=expert)
+
+
+def scaled_shapes(
+  dense_shape: Sequence[int], expert_shape: Sequence[int], devices: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Mesh shapes for another device count: the axes that shard parameters or the sequence (fsdp,
+  context, expert_fsdp: kept inside a node) stay; `replica` and `expert` absorb the rest."""
+  dense, expert = list(dense_shape), list(expert_shape)
+  r, e = DENSE_AXES.index("replica"), EXPERT_AXES.index("expert")
+  kept_dense = math.prod(dense) // dense[r]
+  kept_expert = math.prod(expert) // expert[e]
+  if devices < 1 or devices % kept_dense or devices % kept_expert:
+    raise ValueError(
+      f"devices={devices} is not a multiple of fsdp·context = {kept_dense} and of expert_fsdp = "
+      f"{kept_expert}; the planner keeps those axes and scales replica and expert."
+    )
+  dense[r], expert[e] = devices // kept_dense, devices // kept_expert
+  return tuple(dense), tuple(expert)
 
 
 def describe(meshes: Meshes) -> str:

@@ -2,7 +2,9 @@
 
 import glob
 import json
+import logging
 import os
+import shutil
 import sys
 
 import grain
@@ -63,7 +65,7 @@ def _records(source):
 def test_builder_writes_array_record_and_reads_without_tensorflow(built):
   _, texts, data_dir, sources = built
   assert _TF_PRELOADED or "tensorflow" not in sys.modules
-  assert glob.glob(os.path.join(data_dir, "stdlib_code", "1.0.0", "*.array_record-*"))
+  assert glob.glob(os.path.join(data_dir, "*", "stdlib_code", "1.0.0", "*.array_record-*"))
   got = {}
   for split in corpus.SPLITS:
     got.update(_records(sources[split]))
@@ -79,9 +81,10 @@ def test_split_is_deterministic_and_by_file(built):
   assert len(real) > 500 and not any({"test", "tests", "site-packages"} & set(p.split(os.sep)) for p in real)
 
 
-def test_second_build_reuses(built, monkeypatch, capsys):
+def test_second_build_reuses(built, monkeypatch, caplog):
+  caplog.set_level(logging.INFO)
   src, _, data_dir, _ = built
-  files = glob.glob(os.path.join(data_dir, "stdlib_code", "1.0.0", "*"))
+  files = glob.glob(os.path.join(data_dir, "*", "stdlib_code", "1.0.0", "*"))
   mtimes = {f: os.path.getmtime(f) for f in files}
 
   def fail(*args, **kwargs):
@@ -89,9 +92,37 @@ def test_second_build_reuses(built, monkeypatch, capsys):
 
   monkeypatch.setattr(corpus.StdlibCode, "_generate_examples", fail)
   sources = corpus.build_corpus(data_dir, src_dir=src)
-  assert "reusing" in capsys.readouterr().out
-  assert {f: os.path.getmtime(f) for f in files} == mtimes
+  assert "reusing" in caplog.text
+  assert files and {f: os.path.getmtime(f) for f in files} == mtimes
   assert len(sources["train"]) + len(sources["validation"]) > 0
+
+
+def test_a_changed_source_builds_a_new_corpus(tmp_path):
+  """The same workdir with another src_dir, or an edited file, must not reuse the old corpus."""
+  a, b = tmp_path / "a", tmp_path / "b"
+  texts = _fake_source(str(a))
+  shutil.copytree(a, b)
+  (b / "extra_module.py").write_text("x = 1\n")
+  data_dir = str(tmp_path / "tfds")
+  first = corpus.build_corpus(data_dir, src_dir=str(a))
+  second = corpus.build_corpus(data_dir, src_dir=str(b))
+  paths = lambda srcs: {srcs[s][i]["path"].decode() for s in corpus.SPLITS for i in range(len(srcs[s]))}  # noqa: E731
+  assert paths(first) == set(texts) and paths(second) == set(texts) | {"extra_module.py"}
+  assert len(os.listdir(data_dir)) == 2
+  before = corpus.source_key(str(b), None)
+  (b / "extra_module.py").write_text("x = 22\n")  # an edit (size changes) changes the key
+  assert corpus.source_key(str(b), None) != before
+
+
+def test_a_directory_too_small_for_both_splits_is_one_clear_error(tmp_path):
+  from composer_jax.configs import ConfigError
+
+  (tmp_path / "only.py").write_text("x = 1\n")
+  with pytest.raises(ConfigError, match="split got none") as e:
+    corpus.build_corpus(str(tmp_path / "tfds"), src_dir=str(tmp_path))
+  assert "\n" not in str(e.value) and not (tmp_path / "tfds").exists()
+  with pytest.raises(ConfigError, match="is not a directory"):
+    corpus.build_corpus(str(tmp_path / "tfds"), src_dir=str(tmp_path / "nope"))
 
 
 @pytest.fixture(scope="module")

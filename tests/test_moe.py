@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax.model import ModelConfig, expert_parallel, moe
+from composer_jax.model import ModelConfig, expert_parallel, experts, moe
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, moe_mlp_dim=16, first_k_dense=1)
 
@@ -267,9 +267,9 @@ def test_moe_layer_replays_given_experts_and_router_gets_gradient(impl):
 # --- expert paths ------------------------------------------------------------------------------
 
 
-_experts_ragged = jax.jit(moe.experts_ragged, static_argnums=5)
-_experts_capacity = jax.jit(moe.experts_capacity, static_argnums=(5, 6))
-_experts_blocked = jax.jit(moe.experts_blocked, static_argnums=(5, 6))
+_experts_ragged = jax.jit(experts.experts_ragged, static_argnums=5)
+_experts_capacity = jax.jit(experts.experts_capacity, static_argnums=(5, 6))
+_experts_blocked = jax.jit(experts.experts_blocked, static_argnums=(5, 6))
 
 
 def test_capacity_and_ragged_paths_match_reference():
@@ -309,8 +309,8 @@ def test_blocked_path_is_dropless_with_exact_gradients(block):
       jax.grad(lambda x, wg, wu, wd: jnp.sum(fn(x, ids_A, wg, wu, wd) * cot_AD), argnums=(0, 1, 2, 3))
     )(x_AD, *weights)
 
-  blocked = grads(lambda *a: moe.experts_blocked(*a, "float32", block))
-  ragged = grads(lambda *a: moe.experts_ragged(*a, "float32"))
+  blocked = grads(lambda *a: experts.experts_blocked(*a, "float32", block))
+  ragged = grads(lambda *a: experts.experts_ragged(*a, "float32"))
   for g_blocked, g_ragged in zip(blocked, ragged, strict=True):
     np.testing.assert_allclose(g_blocked, g_ragged, rtol=1e-5, atol=1e-4 * np.abs(g_ragged).max())
 
@@ -337,34 +337,35 @@ def test_capacity_path_drops_and_counts_overflow():
 
 
 def test_update_router_bias_moves_towards_balance():
-  cfg = _cfg(n_layers=3, first_k_dense=1, n_experts=8)
+  """One stacked [L_moe, E] bias, one load row per MoE layer; every other leaf is passed through."""
   rng = np.random.default_rng(4)
   params = {
     "embed": rng.standard_normal((4, 2)),
-    "layers": {
-      0: {"mlp": {"gate_proj": rng.standard_normal((2, 3))}},
-      1: {"mlp": {"router": rng.standard_normal((2, 8)), "router_bias": np.zeros(8, np.float32)}},
-      2: {
-        "mlp": {"router": rng.standard_normal((2, 8)), "router_bias": np.full(8, 0.5, np.float32)},
-        "attn": {"o_proj": rng.standard_normal((2, 2))},
+    "dense_layers": {"mlp": {"gate_proj": rng.standard_normal((1, 2, 3))}},
+    "moe_layers": {
+      "mlp": {
+        "router": rng.standard_normal((2, 2, 8)),
+        "router_bias": np.stack([np.zeros(8, np.float32), np.full(8, 0.5, np.float32)]),
       },
+      "attn": {"o_proj": rng.standard_normal((2, 2, 2))},
     },
   }
-  assert cfg.is_moe_layer(1) and cfg.is_moe_layer(2) and not cfg.is_moe_layer(0)
   load_LE = np.array([[10, 2, 6, 6, 6, 6, 6, 6], [1, 1, 1, 1, 1, 1, 1, 9]], np.float32)  # means 6 and 2
   rate = 1e-2
   new = moe.update_router_bias(params, jnp.asarray(load_LE), rate)
   expected_1 = rate * np.array([-1, 1, 0, 0, 0, 0, 0, 0])  # overloaded down, underloaded up, balanced kept
   expected_2 = 0.5 + rate * np.array([1, 1, 1, 1, 1, 1, 1, -1])
-  np.testing.assert_allclose(new["layers"][1]["mlp"]["router_bias"], expected_1, atol=1e-9)
-  np.testing.assert_allclose(new["layers"][2]["mlp"]["router_bias"], expected_2, atol=1e-7)
+  np.testing.assert_allclose(new["moe_layers"]["mlp"]["router_bias"][0], expected_1, atol=1e-9)
+  np.testing.assert_allclose(new["moe_layers"]["mlp"]["router_bias"][1], expected_2, atol=1e-7)
   new_leaves = jax.tree_util.tree_leaves_with_path(new)
   old_leaves = dict(jax.tree_util.tree_leaves_with_path(params))
   assert len(new_leaves) == len(old_leaves)
   for path, leaf in new_leaves:
     if "router_bias" not in jax.tree_util.keystr(path):
       assert leaf is old_leaves[path], jax.tree_util.keystr(path)
-  np.testing.assert_array_equal(params["layers"][1]["mlp"]["router_bias"], 0)  # the input is not mutated
+  np.testing.assert_array_equal(params["moe_layers"]["mlp"]["router_bias"][0], 0)  # the input is not mutated
+  no_moe = {"embed": params["embed"], "dense_layers": params["dense_layers"]}
+  assert moe.update_router_bias(no_moe, jnp.zeros((0, 8)), rate) is no_moe
 
 
 def np_sequence_balance_loss(scores_BTE, ids_BTK, E):

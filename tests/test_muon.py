@@ -187,16 +187,26 @@ def test_newton_schulz_orthogonalizes(name):
 
 def test_build_optimizer_routing():
   dns, labels = optim.dimension_numbers(TINY), optim.labels(TINY)
-  moe, dense = labels["layers"][1]["mlp"], labels["layers"][0]
+  # Stacked leaves: the leading `layers` axis is a batch axis, so every index shifts by one.
+  moe, dense = labels["moe_layers"]["mlp"], labels["dense_layers"]
   assert labels["embed"] == labels["lm_head"] == labels["final_norm"] == "adam"
   assert moe["router"] == "adam" and moe["router_bias"] == "frozen"
   assert dense["input_norm"] == dense["attn"]["q_a_norm"] == "adam"
-  attn = dns["layers"][0]["attn"]
-  assert attn["q_b_proj"] == MDN(0, 2) and attn["kv_b_proj"] == MDN(0, 2) and attn["o_proj"] == MDN(1, 2)
-  assert attn["q_a_proj"] == attn["kv_a_proj"] == MDN(0, 1)
-  assert dns["layers"][0]["mlp"]["gate_proj"] == dns["layers"][1]["mlp"]["shared"]["down_proj"] == MDN(0, 1)
-  assert all(dns["layers"][1]["mlp"][k] == MDN(1, 2) for k in ("w_gate", "w_up", "w_down"))
-  assert dns["embed"] is None and dns["layers"][1]["mlp"]["router_bias"] is None
+  attn = dns["dense_layers"]["attn"]
+  assert attn["q_b_proj"] == MDN(1, 3) and attn["kv_b_proj"] == MDN(1, 3) and attn["o_proj"] == MDN(2, 3)
+  assert attn["q_a_proj"] == attn["kv_a_proj"] == MDN(1, 2)
+  assert (
+    dns["dense_layers"]["mlp"]["gate_proj"] == dns["moe_layers"]["mlp"]["shared"]["down_proj"] == MDN(1, 2)
+  )
+  assert all(dns["moe_layers"]["mlp"][k] == MDN(2, 3) for k in ("w_gate", "w_up", "w_down"))
+  assert dns["embed"] is None and dns["moe_layers"]["mlp"]["router_bias"] is None
+  decay = optim.decay_mask(TINY)  # AdamW decays matrices (embedding, head, router), never a stacked norm
+  assert decay["embed"] and decay["lm_head"] and decay["moe_layers"]["mlp"]["router"]
+  assert (
+    not decay["final_norm"]
+    and not decay["dense_layers"]["input_norm"]
+    and not decay["moe_layers"]["attn"]["q_a_norm"]
+  )
 
 
 def test_matrix_optimizer_adamw_is_plain_adamw_on_matrices():
@@ -207,9 +217,26 @@ def test_matrix_optimizer_adamw_is_plain_adamw_on_matrices():
   cfg = dataclasses.replace(cfg, weight_decay=0.0, grad_clip=0.0, matrix_optimizer="adamw")
   tx = optim.build_optimizer(TINY, cfg, None)
   updates, _ = tx.update(grads, tx.init(params), params)
-  np.testing.assert_allclose(updates["layers"][0]["attn"]["q_b_proj"], -1e-2, rtol=1e-5)
+  np.testing.assert_allclose(updates["dense_layers"]["attn"]["q_b_proj"], -1e-2, rtol=1e-5)
   with pytest.raises(ValueError, match="matrix_optimizer"):
     optim.build_optimizer(TINY, dataclasses.replace(cfg, matrix_optimizer="sgd"), None)
+
+
+def test_adamw_decays_matrices_not_stacked_norms():
+  """Zero gradients: AdamW's update is −lr·wd·param on decayed leaves and exactly 0 on the rest; the
+  stacked norms [L, D] (two axes, one of them `layers`) must not be decayed."""
+  params = model.init(TINY, jax.random.key(0))
+  cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=5, min_lr_ratio=1.0)
+  tx = optim.build_optimizer(TINY, cfg, None)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  for name in ("input_norm", "post_attn_norm"):
+    assert params["dense_layers"][name].ndim == 2
+    np.testing.assert_array_equal(updates["dense_layers"][name], 0)
+  np.testing.assert_array_equal(updates["final_norm"], 0)
+  for leaf in (updates["embed"], updates["moe_layers"]["mlp"]["router"]):
+    assert np.abs(np.asarray(leaf)).max() > 0
+  np.testing.assert_allclose(updates["embed"], -1e-2 * cfg.weight_decay * params["embed"], rtol=1e-5)
 
 
 def test_build_optimizer_step_on_model_params(meshes):
@@ -227,9 +254,10 @@ def test_build_optimizer_step_on_model_params(meshes):
     return optax.apply_updates(params, updates), state
 
   new, _ = step(params, state)
-  bias = params["layers"][1]["mlp"]["router_bias"]
-  np.testing.assert_array_equal(new["layers"][1]["mlp"]["router_bias"], bias)
-  assert not np.allclose(new["layers"][1]["mlp"]["w_up"], params["layers"][1]["mlp"]["w_up"])
+  bias = params["moe_layers"]["mlp"]["router_bias"]
+  np.testing.assert_array_equal(new["moe_layers"]["mlp"]["router_bias"], bias)
+  assert not np.allclose(new["moe_layers"]["mlp"]["w_up"], params["moe_layers"]["mlp"]["w_up"])
+
   assert not np.allclose(new["embed"], params["embed"])
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(new), strict=True):
     assert b.sharding.is_equivalent_to(a.sharding, a.ndim), (

@@ -1,8 +1,9 @@
 """The scale planner against XLA's compiled memory analysis, hand-computed collectives, mesh derivation.
 
-One compile: the tiny variant's real train step (`pretrain.make_train_step` with the optimizer of
-`optim.build_optimizer`, as the pretrain stage builds it), lowered from abstract state on the
-8 CPU devices; the persistent compilation cache makes reruns cheap.
+One compile: the tiny variant's real train step, built by the compile stage's own code
+(`plan.compile.compile_config`: `pretrain.make_train_step` with `optim.build_optimizer`, lowered from
+abstract state) on the 8 CPU devices; the persistent compilation cache makes reruns cheap. The same
+comparison on XLA:TPU is tests/test_compile.py.
 """
 
 import dataclasses
@@ -14,98 +15,59 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 from optax.contrib import MuonDimensionNumbers
 
 from composer_jax import configs, model, optim, plan, sharding
 from composer_jax.model.config import ModelConfig
 from composer_jax.optim import muon as muon_lib
 from composer_jax.optim import newton_schulz
-from composer_jax.train import pretrain as pt
-from composer_jax.train.state import TrainState
+from composer_jax.plan import compile as compile_stage
 
 _EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
 
 
-def _config(variant: str):
+def _config_dict(variant: str):
   spec = importlib.util.spec_from_file_location("composer25", _EXPERIMENT)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(variant)
 
 
-def _abstract_state(cfg: ModelConfig, tx, meshes: sharding.Meshes) -> TrainState:
-  """The train state `create_state` would build, as ShapeDtypeStructs with the same shardings.
-
-  Optimizer leaves shaped like a parameter sit on that parameter's sharding (what `zeros_like` of a
-  sharded array gives); scalar counters are replicated on the dense mesh (`state._place`).
-  """
-  shapes = plan.param_shapes(cfg)
-  where = sharding.param_shardings(model.logical_axes(cfg), shapes, meshes)
-  params = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
-  by_path = {path: w for path, w in jax.tree_util.tree_flatten_with_path(where)[0]}
-  rep = NamedSharding(meshes.dense, PartitionSpec())
-
-  def place(path, leaf):
-    match = [w for p, w in by_path.items() if path[-len(p) :] == p] if leaf.shape else []
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=match[0] if match else rep)
-
-  opt_state = jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, params))
-  return TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=rep), params=params, opt_state=opt_state)
+def _config(variant: str) -> configs.Config:
+  return configs.from_config(_config_dict(variant))
 
 
 @pytest.fixture(scope="module")
 def tiny_compiled():
-  """(plan of the tiny variant, memory_analysis of its compiled train step)."""
-  config = _config("tiny")
-  typed = configs.from_config(config)
-  cfg, ocfg, tcfg = typed.model, configs.pretrain_optimizer(typed), typed.train
-  meshes = sharding.make_meshes(config)
-  tx = optim.build_optimizer(cfg, ocfg, meshes)
-  state = _abstract_state(cfg, tx, meshes)
-  step = pt.make_train_step(
-    cfg, tx, optim.lr_schedule(ocfg), jax.tree.map(lambda x: x.sharding, state), meshes,
-    router_bias_rate=tcfg.router_bias_rate, grad_accum=tcfg.grad_accum, qk_clip_tau=ocfg.qk_clip_tau,
-  )  # fmt: skip
-  put = pt.batch_sharding(meshes)
-  shape = (tcfg.batch_size, tcfg.seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=s) for k, s in put.items()}
-  return plan.make_plan(config), step.lower(state, batch).compile().memory_analysis()
+  """The compile stage's result for the tiny variant on XLA:CPU (8 devices)."""
+  return compile_stage.compile_config(_config("tiny"), jax.devices())
 
 
 def test_memory_matches_xla_memory_analysis(tiny_compiled):
-  """Per-device plan vs XLA:CPU's buffer assignment of the tiny train step, each within 10%.
+  """Per-device plan (`Plan.xla`) vs XLA:CPU's buffer assignment of the tiny train step, each within 10%.
 
   plan quantity                                        memory_analysis field
   params + optimizer state + step + batch          ↔   argument_size_in_bytes
   params + optimizer state + step                  ↔   alias_size_in_bytes (the donated state)
   params + optimizer state + step                  ↔   output_size_in_bytes (+ ~1 KB of metrics)
-  activations["total"] (forward residuals)         ↔   temp_size_in_bytes
+  max(forward residuals, update buffers)           ↔   temp_size_in_bytes
 
   Why the residuals are the temp: the step's peak is the end of the forward pass (all residuals
   live, no gradient yet). XLA copies the donated state into temp buffers and reuses the argument
-  buffers as scratch, which cancels; what remains is the residuals plus heap fragmentation (measured
-  4.6%: peak-live 95.05 MB in a 98.49 MB arena). Gradients (10 MB here) are never live with all
-  residuals, so they are not in this field.
+  buffers as scratch, which cancels; what remains is the residuals plus heap fragmentation.
   """
-  p, mem = tiny_compiled
-  state = sum(v for m in ("dense", "expert") for k, v in p.memory[m].items() if k != "grads")
-  pairs = {
-    "argument": (state + p.memory["other"]["batch"], mem.argument_size_in_bytes),
-    "alias": (state, mem.alias_size_in_bytes),
-    "output": (state, mem.output_size_in_bytes),
-    "temp": (p.activations["total"], mem.temp_size_in_bytes),
-  }
-  report = {k: (plan_b, xla_b, plan_b / xla_b) for k, (plan_b, xla_b) in pairs.items()}
+  mem, predicted = tiny_compiled["memory"], tiny_compiled["plan"]
+  report = {k: (predicted[k], mem[k], predicted[k] / mem[k]) for k in ("argument", "alias", "output", "temp")}
   print(json.dumps(report, indent=1))
   for name, (plan_b, xla_b, ratio) in report.items():
     assert abs(ratio - 1) <= 0.10, f"{name}: plan {plan_b} vs XLA {xla_b} bytes (ratio {ratio:.3f})"
+  assert tiny_compiled["collectives"].get("all-to-all", 0) > 0  # EP dispatch and Muon really communicate
 
 
 def _leaf(shape, axes, layout) -> plan.Leaf:
   """A float32 Muon matrix (reduction axis 0, output axis 1) placed by the codebase's rules."""
-  where = sharding.param_sharding(axes, plan.abstract_meshes(layout), shape)
-  return plan.Leaf("w", shape, 4, axes, where, "muon", MuonDimensionNumbers(0, 1))
+  where = sharding.param_sharding(axes, layout.meshes(), shape)
+  return plan.Leaf("w", shape, np.dtype(np.float32), axes, where, "muon", MuonDimensionNumbers(0, 1))
 
 
 def test_collectives_small_case_by_hand():
@@ -115,27 +77,33 @@ def test_collectives_small_case_by_hand():
   assert w.local_size == 4 * 16
   cfg = ModelConfig(n_layers=1, first_k_dense=1)  # no MoE layer: no expert traffic
   rows = {"received_rows": 0, "assignments": 0}
-  tok = plan._tokens(layout, micro_batch=4, seq_len=8)
-  got = plan.collective_bytes(cfg, layout, [w], tok, grad_accum=1, rows=rows)
+  got = plan.collective_bytes(cfg, layout, [w], grad_accum=1, rows=rows)
   full = 8 * 16 * 4
   assert got["fsdp_all_gather"] == full // 2  # ring: (2-1)/2 of the gathered matrix, forward only
   assert got["fsdp_reduce_scatter"] == full // 2
   assert got["hsdp_all_reduce"] == 2 * (full // 2) // 2  # 2·(r-1)/r of the local shard, r = 2 replicas
-  remat = plan.collective_bytes(dataclasses.replace(cfg, remat="full"), layout, [w], tok, 1, rows)
+  remat = plan.collective_bytes(dataclasses.replace(cfg, remat="full"), layout, [w], 1, rows)
   assert remat["fsdp_all_gather"] == full  # gathered again for the recomputed forward
-  accum = plan.collective_bytes(cfg, layout, [w], tok, grad_accum=3, rows=rows)
+  accum = plan.collective_bytes(cfg, layout, [w], grad_accum=3, rows=rows)
   assert accum["hsdp_all_reduce"] == 3 * got["hsdp_all_reduce"]
 
-  # Sharded Muon: 1 matrix, rows over fsdp (2 devices) and 2 replica copies ⇒ padded to 4 local
-  # [4, 8/2, 16] stacks; all-to-all over fsdp there and back (1/2 each way); every device
-  # orthogonalises 4/(2·2) = 1 whole matrix, then an all-gather over the 2 copies of [2, 8, 16].
+  # Sharded Muon, 1 matrix: rows over fsdp (2 devices), too few matrices for the 2 replica copies to
+  # split ⇒ padded to 2 local [2, 8/2, 16] stacks; all-to-all over fsdp there and back (1/2 each way);
+  # every device orthogonalises 1 whole matrix (its replica twin the same one); no all-gather.
   m = plan.muon_work([w], ns_steps=5)
-  stack = 4 * 4 * 16 * 4
+  stack = 2 * 4 * 16 * 4
   assert m["largest_group_stack_bytes"] == stack
   assert m["all_to_all_bytes"] == 2 * stack // 2
-  assert m["all_gather_bytes"] == (2 * 8 * 16 * 4) // 2
-  assert m["ns_flops_per_device"] == newton_schulz.flops(8, 16, 5)
-  assert m["ns_flops_total"] == newton_schulz.flops(8, 16, 5)
+  assert m["all_gather_bytes"] == 0
+  assert m["ns_flops_per_device"] == m["ns_flops_total"] == newton_schulz.flops(8, 16, 5)
+  # 4 matrices: one whole matrix per copy per device ⇒ the replicas split them (padded to 2·2 = 4),
+  # and an all-gather over the 2 copies of each device's [1, 8, 16] result.
+  w4 = _leaf((4, 8, 16), (None, "embed", "mlp"), layout)
+  w4 = dataclasses.replace(w4, dn=MuonDimensionNumbers(1, 2))
+  m4 = plan.muon_work([w4], ns_steps=5)
+  assert m4["largest_group_stack_bytes"] == 4 * 4 * 16 * 4
+  assert m4["all_gather_bytes"] == (4 // 2 * 8 * 16 * 4) // 2
+  assert m4["ns_flops_per_device"] == newton_schulz.flops(8, 16, 5)  # 4 matrices over 4 devices
 
 
 def test_expert_all_to_all_of_the_tiny_variant_by_hand():
@@ -157,7 +125,7 @@ def test_derived_meshes_and_errors():
     plan.derive_layout((16, 16, 4), (128, 8), 2048, 384)
   with pytest.raises(ValueError, match="cover different device counts"):
     plan.derive_layout((4, 1, 2), (4, 1), None, 8)
-  config = _config("moonlight_16b")
+  config = _config_dict("moonlight_16b")
   config.train.batch_size = 32  # rows split over replica·fsdp = 64
   with pytest.raises(ValueError, match="not divisible by replica·fsdp"):
     plan.make_plan(config)
@@ -165,7 +133,7 @@ def test_derived_meshes_and_errors():
 
 def _ideal_ns_flops(cfg: ModelConfig, steps: int) -> int:
   """Σ over Muon leaves of (matrices in the leaf) × NS FLOPs of one matrix (benchmarks/train_step.py)."""
-  shapes = jax.tree.leaves(plan.param_shapes(cfg))
+  shapes = jax.tree.leaves(model.abstract_params(cfg))
   is_dn = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
   total = 0
   for leaf, dn in zip(shapes, jax.tree.leaves(optim.dimension_numbers(cfg), is_leaf=is_dn), strict=True):
@@ -177,9 +145,9 @@ def _ideal_ns_flops(cfg: ModelConfig, steps: int) -> int:
 
 @pytest.mark.parametrize("variant,params_b", [("moonlight_16b", 15.96), ("kimi_k25_1t", 1026.4)])
 def test_full_scale_plans_run(variant, params_b, tmp_path):
-  config = _config(variant)
+  config = _config_dict(variant)
   config.plan.devices = 512 if variant == "kimi_k25_1t" else None
-  out = plan.run_stage(config, str(tmp_path))
+  out = plan.run(configs.from_config(config), str(tmp_path))
   assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(json.dumps(out))
   assert out["params_total"] / 1e9 == pytest.approx(params_b, abs=0.01)
   cfg = configs.from_config(config).model
@@ -189,3 +157,15 @@ def test_full_scale_plans_run(variant, params_b, tmp_path):
   assert m["ns_flops_per_device"] >= m["ns_flops_total"] / devices  # padding never helps
   assert m["ns_seconds"] == pytest.approx(m["ns_flops_per_device"] / float(config.train.peak_flops))
   assert out["peak_bytes"] > 0 and all(v >= 0 for v in out["collectives"].values())
+
+
+def test_a_plan_that_does_not_fit_says_so_in_one_line(tmp_path, caplog):
+  """A config over its budget is a result (fits: false), with one line naming the biggest items and
+  the knob to turn."""
+  config = _config_dict("moonlight_16b")
+  config.plan.hbm_gib = 8.0
+  with caplog.at_level("WARNING"):
+    out = plan.run(configs.from_config(config), str(tmp_path))
+  assert out["fits"] is False and out["hbm_bytes"] == int(8 * 2**30 * 0.75)  # jax's GPU preallocation
+  lines = [r.getMessage() for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  assert len(lines) == 1 and "biggest:" in lines[0] and "to turn:" in lines[0], lines

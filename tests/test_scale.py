@@ -21,7 +21,6 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, AxisType
 
 from composer_jax import configs, model, sharding
 from composer_jax.train import metrics
@@ -39,15 +38,6 @@ def _experiment():
   return module
 
 
-def _abstract_meshes(config) -> sharding.Meshes:
-  def mesh(shape, axes):
-    return AbstractMesh(tuple(shape), axes, axis_types=(AxisType.Auto,) * len(axes))
-
-  return sharding.Meshes(
-    dense=mesh(config.mesh.dense, sharding.DENSE_AXES), expert=mesh(config.mesh.expert, sharding.EXPERT_AXES)
-  )
-
-
 def _axis_size(mesh, axis) -> int:
   return math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
 
@@ -55,8 +45,8 @@ def _axis_size(mesh, axis) -> int:
 def _layout(config):
   """(abstract meshes, [(path, shape, logical axes, NamedSharding)] of every parameter)."""
   cfg = configs.from_config(config).model
-  meshes = _abstract_meshes(config)
-  abstract = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
+  meshes = sharding.abstract_meshes(config.mesh.dense, config.mesh.expert)
+  abstract = model.abstract_params(cfg)
   axes = jax.tree_util.tree_leaves_with_path(model.logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
   leaves = []
   for (path, names), p in zip(axes, jax.tree.leaves(abstract), strict=True):

@@ -3,6 +3,7 @@ dataset, `synth.json`; unknown source names are refused with the known ones list
 
 import importlib.util
 import json
+import logging
 import pathlib
 
 import pytest
@@ -24,7 +25,7 @@ def _config(**synth):
   return c
 
 
-def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, capsys):
+def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, caplog):
   from composer_jax import pipeline
   from composer_jax.synth import dataset
 
@@ -32,6 +33,7 @@ def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, capsys):
   # Reuse the fixture's venv (built offline once per machine) instead of pip-installing a new one.
   monkeypatch.setattr(build, "ensure_venv", lambda *_: venv)
   config = _config(sources="", local_dir=str(src), max_tasks_per_source=2, runs=2)
+  caplog.set_level(logging.INFO)
   summary = pipeline.run(config, str(tmp_path))["synth"]
 
   (row,) = summary["sources"]
@@ -40,8 +42,8 @@ def test_synth_stage_on_local_fixture(tmp_path, monkeypatch, capsys):
   assert row["candidates"] == 2 + sum(row["rejected"].values()) and row["total_candidates"] >= 4
   assert row["yield_"] == row["valid"] / row["candidates"] and row["tasks_per_minute"] > 0
   assert "| src 0 |" in summary["table"] and "| **total** |" in summary["table"]
-  out = capsys.readouterr().out
-  assert out.count("[synth] src ") >= row["candidates"] and ": valid " in out
+  out = caplog.text
+  assert out.count("[synth] src ") >= row["candidates"] and ": valid " in out and ", eta " in out
 
   records = dataset.read_tasks(tmp_path / "synth_tasks")
   assert len(records) == 2 and {r["feature"][0] for r in records} <= FEATURES
@@ -86,22 +88,21 @@ def test_interrupt_writes_tasks_built_so_far(tmp_path, monkeypatch):
   assert summary["interrupted"] and summary["total_valid"] == 1 and summary["dataset"]
 
 
-def test_junit_ids_of_inherited_tests(tmp_path):
+def test_runner_ids_of_inherited_tests(tmp_path):
   # cachetools: test methods live in a mixin in tests/__init__.py, collected by tests/test_lru.py etc.
-  # xunit1's `file` names the mixin's file; the id must name the collecting module and class.
+  # The runner reports pytest's own node ids: the collecting module and class, never the mixin's file.
+  import sys
+
   from composer_jax.synth import baseline
 
   (tmp_path / "tests").mkdir()
-  (tmp_path / "tests/test_lru.py").write_text("")
-  (tmp_path / "tests/__init__.py").write_text("")
-  nodeid = baseline._nodeid
-  assert nodeid("tests/__init__.py", "tests.test_lru.LRUCacheTest", "test_pop", tmp_path) == (
-    "tests/test_lru.py::LRUCacheTest::test_pop"
+  (tmp_path / "tests/__init__.py").write_text("class Mixin:\n  def test_pop(self):\n    assert True\n")
+  (tmp_path / "tests/test_lru.py").write_text(
+    "import unittest\nfrom . import Mixin\n\n\nclass LRUCacheTest(Mixin, unittest.TestCase):\n"
+    "  def test_x(self):\n    assert False\n"
   )
-  assert nodeid("tests/__init__.py", "tests.test_lru.LRUCacheTest", "test_pop") == (
-    "tests/test_lru.py::LRUCacheTest::test_pop"
-  )
-  assert nodeid("tests/test_lru.py", "tests.test_lru.LRUCacheTest", "test_x[1]", tmp_path) == (
-    "tests/test_lru.py::LRUCacheTest::test_x[1]"
-  )
-  assert nodeid("tests/test_lru.py", "tests.test_lru", "test_f") == "tests/test_lru.py::test_f"
+  run = baseline.run_suite(baseline.make_sandbox(sys.prefix, timeout_s=60), sys.prefix, tmp_path)
+  assert run.report_found and run.outcomes == {
+    "tests/test_lru.py::LRUCacheTest::test_pop": baseline.PASSED,
+    "tests/test_lru.py::LRUCacheTest::test_x": baseline.FAILED,
+  }, run.result.stdout

@@ -1,5 +1,6 @@
 """The sandbox holds against what model-written code tries: network, host writes, env, caps, bombs."""
 
+import errno
 import os
 import pathlib
 import socket
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from composer_jax.synth import sandbox
+from composer_jax.synth import cgroups, sandbox, seccomp
 
 # Skipped only on a developer machine without bubblewrap; in CI (CI=true, root) a missing bwrap is a failure.
 needs_bwrap = pytest.mark.skipif(
@@ -198,3 +199,76 @@ def test_venv_paths_include_base_prefix():
   paths = sandbox.venv_paths(sys.prefix)
   assert paths[0] == os.path.realpath(sys.prefix)
   assert os.path.realpath(sys.base_prefix) in paths or sys.prefix == sys.base_prefix
+
+
+# ---- whole-tree limits, tmpfs, namespaces, result channel (issue 14) ------------------------------------
+
+BUSY_TREE = """
+import os
+for _ in range(8):
+  if os.fork() == 0:
+    while True:
+      pass
+while True:
+  pass
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("meter", ["machine", "fallback"])
+def test_tree_cpu_bounded(tmp_path, monkeypatch, meter):
+  # Eight busy children under a 2 CPU-second budget: killed near 2 CPU-seconds in total, not 8 x 2.
+  if meter == "fallback":
+    monkeypatch.setattr(cgroups, "backend", lambda: cgroups.Backend("none", (), "forced off"))
+  r = run_py(tmp_path, BUSY_TREE, cpu_s=2, timeout_s=30)
+  assert r.limit == "cpu" and not r.timed_out and r.returncode < 0, r
+  assert 1.5 < r.cpu_s < 4.0 and r.wall_s < 20, r
+
+
+@needs_bwrap
+def test_user_namespaces_refused(tmp_path):
+  r = run_py(
+    tmp_path,
+    """
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    print(libc.unshare(0x10000000), ctypes.get_errno())  # CLONE_NEWUSER
+    """,
+  )
+  assert r.stdout.split() == ["-1", str(errno.EPERM)], (r.stdout, r.stderr)
+  assert sandbox.run(["unshare", "-U", "true"], task_dir=tmp_path, timeout_s=10).returncode != 0
+
+
+@needs_bwrap
+def test_tmp_and_task_are_size_capped(tmp_path):
+  fill = "import sys\ntry:\n  open(sys.argv[1], 'wb').write(b'x' * (100 << 20))\n"
+  fill += "except OSError as e:\n  print(e.errno)\n"
+  (tmp_path / "fill.py").write_text(fill)
+  for target, kw in (("/tmp/x", {}), ("/task/x", {"copy_in": True, "task_bytes": 32 << 20})):
+    r = sandbox.run([PY, "fill.py", target], task_dir=tmp_path, readonly_paths=RO, tmp_bytes=32 << 20, **kw)
+    assert r.stdout.strip() == str(errno.ENOSPC), (target, r.stdout, r.stderr)
+  assert not (tmp_path / "x").exists()  # copy_in: nothing written reaches the host tree
+
+
+@needs_bwrap
+def test_result_channel_is_a_pipe(tmp_path):
+  r = run_py(
+    tmp_path,
+    "import os\nos.write(int(os.environ["
+    + repr(sandbox.CHANNEL_ENV)
+    + "]), b'result')\nprint(os.listdir('.'))\n",
+    channel=True,
+  )
+  assert r.channel == b"result" and r.stdout.strip() == "['probe.py']"
+
+
+def test_limits_statement_is_one_line():
+  line = sandbox.limits_statement()
+  assert "\n" not in line and ("cgroup v" in line or "no cgroup" in line), line
+
+
+def test_seccomp_program_shape():
+  prog = seccomp.program("x86_64")
+  assert len(prog) % 8 == 0 and prog != seccomp.program("aarch64")
+  with pytest.raises(ValueError):
+    seccomp.program("sparc")

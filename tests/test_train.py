@@ -5,6 +5,7 @@ End-to-end runs go through `pipeline.run` with a two-layer model on a fake corpu
 
 import dataclasses
 import importlib.util
+import logging
 import os
 import pathlib
 import shutil
@@ -108,15 +109,43 @@ def test_incompatible_checkpoint_names_the_field(straight, src_dir):
     pipeline.run(_config(src_dir, 8, learning_rate=2e-2), str(workdir))
 
 
-def test_corrupt_checkpoint_is_a_clear_error_and_is_kept(straight, src_dir, tmp_path):
+def _data_file(step_dir: pathlib.Path) -> pathlib.Path:
+  files = [f for f in step_dir.rglob("*") if f.is_file() and "ocdbt.process_0" in str(f)]
+  return max(files, key=lambda f: f.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["overwrite_4k", "truncate"])
+def test_damaged_checkpoint_is_set_aside_and_the_previous_one_used(
+  straight, src_dir, tmp_path, damage, caplog
+):
+  """4 KB overwritten in a data file, or a file cut short: the newest checkpoint fails its checksums, is
+  moved to checkpoints/corrupt/ (kept), and training resumes from the previous one with finite losses."""
   _, workdir = straight
   shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
-  for f in (tmp_path / "checkpoints" / "6" / "state").rglob("*"):
-    if f.is_file() and "ocdbt.process" in str(f):
-      f.write_bytes(b"garbage")
-  with pytest.raises(checkpoint.CheckpointError, match="could not be restored"):
+  f = _data_file(tmp_path / "checkpoints" / "6")
+  data = f.read_bytes()
+  if damage == "overwrite_4k":
+    at = len(data) // 3
+    f.write_bytes(data[:at] + bytes(4096) + data[at + 4096 :])
+  else:
+    f.write_bytes(data[: len(data) // 2])
+  caplog.set_level(logging.WARNING)
+  summary = pipeline.run(_config(src_dir, 8), str(tmp_path))["pretrain"]
+  assert summary["start_step"] == 4 and summary["steps"] == 8 and summary["skipped_steps"] == 0
+  assert all(np.isfinite(summary["train_losses"]))
+  (aside,) = (tmp_path / "checkpoints" / "corrupt").iterdir()
+  assert aside.name.startswith("6-") and ("checksum" in caplog.text or "bytes" in caplog.text)
+
+
+def test_no_readable_checkpoint_is_a_clear_error_and_all_are_kept(straight, src_dir, tmp_path):
+  _, workdir = straight
+  shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
+  for step in (4, 6):
+    f = _data_file(tmp_path / "checkpoints" / str(step))
+    f.write_bytes(b"garbage")
+  with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint"):
     pipeline.run(_config(src_dir, 8), str(tmp_path))
-  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [4, 6]
+  assert sorted(p.name.split("-")[0] for p in (tmp_path / "checkpoints" / "corrupt").iterdir()) == ["4", "6"]
 
 
 def _packed_batch():

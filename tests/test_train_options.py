@@ -32,10 +32,11 @@ def _batch(cfg, B=8, T=16, seed=0):
 
 def _naive_max_logits(params, cfg, batch):
   """Layer 0's per-head max logit with per-head keys expanded (not the absorbed form)."""
-  a = params["layers"][0]["attn"]
+  layer0 = jax.tree.map(lambda x: x[0], params["dense_layers"])
+  a = layer0["attn"]
   N, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
   pos = jnp.asarray(batch["positions"])
-  x = rms_norm(params["embed"][batch["tokens"]], params["layers"][0]["input_norm"], cfg.rms_norm_eps)
+  x = rms_norm(params["embed"][batch["tokens"]], layer0["input_norm"], cfg.rms_norm_eps)
   cos, sin = rope.cos_sin(cfg, pos)
   q = rms_norm(x @ a["q_a_proj"], a["q_a_norm"], cfg.rms_norm_eps)
   q = jnp.einsum("btq,qhk->bthk", q, a["q_b_proj"])
@@ -56,7 +57,8 @@ def _naive_max_logits(params, cfg, batch):
 def _boost_queries(params, factor_H):
   """Scale each head's query projection so the heads' logits differ a lot."""
   p = jax.tree.map(lambda x: x, params)
-  p["layers"][0]["attn"]["q_b_proj"] = params["layers"][0]["attn"]["q_b_proj"] * factor_H[None, :, None]
+  q_LQHK = params["dense_layers"]["attn"]["q_b_proj"]
+  p["dense_layers"]["attn"]["q_b_proj"] = q_LQHK.at[0].multiply(factor_H[None, :, None])
   return p
 
 
@@ -74,7 +76,7 @@ def test_max_logit_matches_naive_attention_and_qk_clip_caps_it():
   clipped = optim.qk_clip(params, jnp.asarray(s_H)[None], cfg, tau)
   s2_H = np.asarray(apply(clipped)["max_logit"][0])
   np.testing.assert_allclose(s2_H, [tau, s_H[1]], rtol=1e-4)  # capped at τ exactly; head 1 untouched
-  a, a2 = params["layers"][0]["attn"], clipped["layers"][0]["attn"]
+  a, a2 = (jax.tree.map(lambda x: x[0], p["dense_layers"]["attn"]) for p in (params, clipped))
   np.testing.assert_array_equal(a2["kv_a_proj"], a["kv_a_proj"])  # the shared rotary key is not scaled
   np.testing.assert_array_equal(
     a2["kv_b_proj"][:, 0, cfg.qk_nope_head_dim :], a["kv_b_proj"][:, 0, cfg.qk_nope_head_dim :]
@@ -137,7 +139,7 @@ def test_grad_accumulation_equals_one_big_batch_and_step_metrics(meshes):
   assert m1["qk_clipped_heads"] == TINY.n_layers * TINY.n_heads and m1["max_attention_logit"] > 1e-3
   # Moonlight scale: Muon's applied update RMS ≈ 0.2·lr (NS output singular values ≈ 0.7-1.1).
   assert 0.1 < m1["muon_update_rms"] / 1e-2 < 0.3 and m1["adam_update_rms"] > 0
-  q, q0 = p1["layers"][0]["attn"]["q_b_proj"], before["layers"][0]["attn"]["q_b_proj"]
+  q, q0 = p1["dense_layers"]["attn"]["q_b_proj"][0], before["dense_layers"]["attn"]["q_b_proj"][0]
   assert np.max(np.abs(q)) < np.max(np.abs(q0))  # clipped by τ/S ≪ 1
   with pytest.raises(ValueError, match="grad_accum"):
     _step(TINY, meshes, tx, grad_accum=0)

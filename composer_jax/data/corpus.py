@@ -14,7 +14,9 @@ split does not depend on the file listing order or count.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -102,15 +104,46 @@ class StdlibCode(tfds.core.GeneratorBasedBuilder):
       yield rel, {"path": rel, "text": text}
 
 
+def source_key(src_dir: str | None, max_files: int | None) -> str:
+  """A short hash of what the corpus is built from: the directory, `max_files`, and every kept file's
+  path, size and modification time, so a changed source builds a new corpus instead of reusing the old."""
+  root = os.path.realpath(src_dir or stdlib_root())
+  h = hashlib.sha256(f"{root}\0{max_files}".encode())
+  for rel in list_sources(root, max_files):
+    st = os.stat(os.path.join(root, rel))
+    h.update(f"\0{rel}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+  return h.hexdigest()[:12]
+
+
+def check_splits(src_dir: str | None, max_files: int | None) -> None:
+  """ConfigError naming the directory when a split would get no file (the split hashes each path)."""
+  from composer_jax.configs import ConfigError
+
+  root = src_dir or stdlib_root()
+  if not os.path.isdir(root):
+    raise ConfigError(f"data.src_dir {root!r} is not a directory")
+  rels = list_sources(root, max_files)
+  counts = {split: sum(split_of(r) == split for r in rels) for split in SPLITS}
+  empty = [split for split, n in counts.items() if n == 0]
+  if empty:
+    raise ConfigError(
+      f"data.src_dir {root!r} has {len(rels)} .py file(s) (max_files {max_files}), and the "
+      f"{', '.join(empty)} split got none: a hash of each path sends ~{VALIDATION_PERMILLE / 10:g}% of "
+      f"files to validation, so use a tree of at least ~{3000 // VALIDATION_PERMILLE} files"
+    )
+
+
 def build_corpus(
   data_dir: str, *, src_dir: str | None = None, max_files: int | None = None, verbose: bool = True
 ) -> dict[str, Any]:
-  """{split: ArrayRecordDataSource}; builds under `data_dir` on first call, reuses it afterwards.
+  """{split: ArrayRecordDataSource}; builds under `data_dir/<source key>` on first call, reuses it
+  afterwards (another source, or changed files, get their own build).
 
-  The on-disk dataset does not record `src_dir`/`max_files`: use a separate `data_dir` per variant.
   In a multi-process run process 0 builds while the others wait, then they read what it wrote, so
   `data_dir` must be on storage that every process sees.
   """
+  check_splits(src_dir, max_files)
+  data_dir = os.path.join(data_dir, source_key(src_dir, max_files))
   kwargs = dict(src_dir=src_dir, max_files=max_files, data_dir=data_dir, file_format="array_record")
   multi = jax.distributed.is_initialized() and jax.process_count() > 1
   if multi and jax.process_index() != 0:
@@ -130,7 +163,9 @@ def build_corpus(
     if verbose:
       logging.info("[corpus] stdlib_code: building from %s into %s ...", builder._src_dir, builder.data_dir)
     t0 = time.perf_counter()
-    builder.download_and_prepare()
+    tfds.disable_progress_bar()  # a few seconds of build: our own lines say what happens
+    with contextlib.redirect_stdout(io.StringIO()):  # tfds prints "Downloading and preparing..." itself
+      builder.download_and_prepare()
     if verbose:
       splits = builder.info.splits
       sizes = ", ".join(f"{s} {splits[s].num_examples} files" for s in SPLITS)

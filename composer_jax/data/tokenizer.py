@@ -140,8 +140,62 @@ def shipped_bpe_path() -> str:
   return str(importlib.resources.files("composer_jax.data") / BPE_JSON)
 
 
+class HFTokenizer:
+  """A Hugging Face checkpoint's own tokenizer (`tokenizer.json`, with bos/eos/pad named in
+  `tokenizer_config.json`), for pretraining from its weights.
+
+  The chat specials of `SPECIAL_TOKENS` exist only if the checkpoint's vocabulary has them: `special_id`
+  names the missing one (the sft and rl stages' turn format needs them; pretraining needs eos and pad).
+  A vocabulary without a pad token pads with eos: padding is masked out of every loss.
+  """
+
+  def __init__(self, directory: str | os.PathLike):
+    import json
+    import pathlib
+
+    import tokenizers
+
+    d = pathlib.Path(directory)
+    self._tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    self._tok.encode_special_tokens = True  # special names in text are text
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    conf_path = d / "tokenizer_config.json"
+    conf = json.loads(conf_path.read_text()) if conf_path.exists() else {}
+    self.eos_id = self._named(conf, "eos_token", "<|eos|>", "</s>", "<|endoftext|>")
+    self.bos_id = self._named(conf, "bos_token", "<|bos|>", "<s>", default=self.eos_id)
+    self.pad_id = self._named(conf, "pad_token", "<|pad|>", "<pad>", default=self.eos_id)
+
+  def _named(self, conf: dict, key: str, *fallbacks: str, default: int | None = None) -> int:
+    token = conf.get(key)
+    token = token.get("content") if isinstance(token, dict) else token
+    for name in ([token] if token else []) + list(fallbacks):
+      if (i := self._tok.token_to_id(name)) is not None:
+        return i
+    if default is None:
+      raise ValueError(f"the tokenizer names no {key} (tokenizer_config.json) and has none of {fallbacks}")
+    return default
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def special_id(self, token: str) -> int:
+    i = self._tok.token_to_id(token)
+    if i is None:
+      raise KeyError(f"the checkpoint's tokenizer has no {token} token (the chat turn format needs it)")
+    return i
+
+  def is_special(self, token_id: int) -> bool:
+    return any(self._tok.token_to_id(s) == token_id for s in SPECIAL_TOKENS)
+
+
 def load(name: str = "bpe") -> Tokenizer:
-  """`"byte"` or `"bpe"` (the shipped 4096-token BPE); any other value is a tokenizers json path."""
+  """`"byte"`, `"bpe"` (the shipped 4096-token BPE), a tokenizers json file of our format, or a Hugging
+  Face checkpoint directory with a `tokenizer.json` (its own tokenizer, `HFTokenizer`)."""
   if name == "byte":
     return ByteTokenizer()
+  if os.path.isdir(name):
+    return HFTokenizer(name)
   return BPETokenizer.from_file(shipped_bpe_path() if name == "bpe" else name)

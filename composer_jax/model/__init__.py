@@ -9,22 +9,28 @@ from composer_jax.model.config import ModelConfig, RopeConfig
 from composer_jax.model.hf_import import load_hf_checkpoint, save_hf_checkpoint
 from composer_jax.model.moe import update_router_bias
 from composer_jax.model.transformer import (
+  abstract_params,
   apply,
   greedy_decode,
   init,
   init_cache,
+  layer_slot,
   logical_axes,
+  stacks,
   trainable_mask,
 )
 
 __all__ = [
   "ModelConfig",
   "RopeConfig",
+  "abstract_params",
   "apply",
   "greedy_decode",
   "init",
   "init_cache",
+  "layer_slot",
   "logical_axes",
+  "stacks",
   "trainable_mask",
   "update_router_bias",
   "load_hf_checkpoint",

@@ -21,6 +21,11 @@ from composer_jax.model.layers import ones, param, project, rms_norm
 from composer_jax.model.rope import apply_rope
 
 _MASKED = -1e30  # finite, so a query with no visible key (padding) gives zeros, not NaN
+# The q-LoRA and KV latents are normalised with a fixed eps, not `rms_norm_eps`: HF `DeepseekV3Attention`
+# builds `q_a_layernorm` / `kv_a_layernorm` as `DeepseekV3RMSNorm(rank)` (default eps 1e-6), as the
+# DeepSeek-V3 reference does (`RMSNorm(q_lora_rank)`, `RMSNorm(kv_lora_rank)`). With rms_norm_eps = 1e-5
+# (Moonlight, Kimi K2.5) using the config's value moved logits by ~4e-4 relative.
+LATENT_NORM_EPS = 1e-6
 
 
 def attend(
@@ -77,7 +82,7 @@ class MLA(nnx.Module):
     """What the cache stores: normalised latent [B, T, C] and rotated shared key [B, T, R]."""
     cfg = self.cfg
     ckv_BTc = project("btd,dc->btc", x_BTD, self.kv_a_proj[...], cfg.dtype)
-    latent_BTC = rms_norm(ckv_BTc[..., : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.rms_norm_eps)
+    latent_BTC = rms_norm(ckv_BTc[..., : cfg.kv_lora_rank], self.kv_a_norm[...], LATENT_NORM_EPS)
     k_rope_BTR = apply_rope(ckv_BTc[:, :, None, cfg.kv_lora_rank :], cos_BTR, sin_BTR, cfg.rope_interleave)[
       :, :, 0
     ]
@@ -87,7 +92,7 @@ class MLA(nnx.Module):
     cfg = self.cfg
     if cfg.q_lora_rank:
       q_BTQ = project("btd,dq->btq", x_BTD, self.q_a_proj[...], cfg.dtype)
-      q_BTQ = rms_norm(q_BTQ, self.q_a_norm[...], cfg.rms_norm_eps)
+      q_BTQ = rms_norm(q_BTQ, self.q_a_norm[...], LATENT_NORM_EPS)
       q_BTHK = project("btq,qhk->bthk", q_BTQ, self.q_b_proj[...], cfg.dtype)
     else:
       q_BTHK = project("btd,dhk->bthk", x_BTD, self.q_proj[...], cfg.dtype)

@@ -117,6 +117,8 @@ class ModelConfig:
   # Activation rematerialisation per block in training: "none", "full" (keep block inputs only),
   # "dots" (keep non-batched matmul outputs), "dots_with_batch" (all matmul outputs).
   remat: Literal["none", "full", "dots", "dots_with_batch"] = "none"
+  # Each layer stack runs as one `lax.scan` (compile time independent of depth); False unrolls it.
+  scan_layers: bool = True
 
   def __post_init__(self):
     _check(self)

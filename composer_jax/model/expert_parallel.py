@@ -10,7 +10,9 @@ back. Two transports behind `cfg.dispatch`:
   backend (XLA:CPU included). Assignments past C are dropped and counted.
 - "ragged_all_to_all": exact-size chunks with `jax.lax.ragged_all_to_all` into a receive buffer of
   `capacity_factor`·A rows (GPU/TPU; XLA:CPU has no lowering). Rows past the buffer are counted.
-With `expert_fsdp` > 1 the expert weights are gathered over that axis first (FSDP within experts).
+When the expert weights' d_model is sharded too (FSDP within experts), they are gathered first.
+Every mesh axis and spec comes from `sharding.expert_layout` (the rules of `sharding.py`) and the
+weights' logical axes (`experts.W_*_AXES`); nothing here names a mesh axis.
 """
 
 from __future__ import annotations
@@ -19,49 +21,83 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
+from composer_jax import sharding
 from composer_jax.model.config import ModelConfig
-from composer_jax.model.moe import capacity, experts_local, sort_by_expert
+from composer_jax.model.experts import (
+  W_DOWN_AXES,
+  W_GATE_AXES,
+  W_UP_AXES,
+  capacity,
+  experts_local,
+  sort_by_expert,
+)
 
-_TOKENS = ("expert", "expert_fsdp")
+_WEIGHT_AXES = (W_GATE_AXES, W_UP_AXES, W_DOWN_AXES)
 
 
 def dispatch(x_TD, expert_ids_TK, weights, cfg: ModelConfig, meshes):
-  """Routed-expert outputs [T, K, D] for every assignment, and the dropped-assignment count."""
-  mesh = meshes.expert
-  n_devices = mesh.shape["expert"] * mesh.shape["expert_fsdp"]
+  """Routed-expert outputs [T, K, D] for every assignment, and the dropped-assignment count.
+
+  The tokens split over the expert mesh in order, each device taking one contiguous run: flatten a
+  batch with `device_major`, so that these runs are the tokens each device already holds.
+  """
+  ep = sharding.expert_layout(meshes)
+  n_devices, n_ep = ep.size(ep.tokens), ep.size(ep.experts)
   if x_TD.shape[0] % n_devices:
     raise ValueError(f"{x_TD.shape[0]} tokens do not split over the {n_devices} devices of the expert mesh.")
-  if cfg.n_experts % mesh.shape["expert"]:
-    raise ValueError(
-      f"n_experts={cfg.n_experts} is not divisible by expert parallelism {mesh.shape['expert']}."
-    )
+  if cfg.n_experts % n_ep:
+    raise ValueError(f"n_experts={cfg.n_experts} is not divisible by expert parallelism {n_ep}.")
   body = _all_to_all_body if cfg.dispatch == "all_to_all" else _ragged_body
+  tokens = ep.token_spec()
   fn = jax.shard_map(
-    lambda x, ids, wg, wu, wd: body(x, ids, _gather_fsdp(wg, wu, wd, mesh), cfg, mesh),
-    mesh=mesh,
-    in_specs=(
-      P(_TOKENS),
-      P(_TOKENS),
-      P("expert", "expert_fsdp"),
-      P("expert", "expert_fsdp"),
-      P("expert", None, "expert_fsdp"),
-    ),
-    out_specs=(P(_TOKENS), P()),
+    lambda x, ids, *ws: body(x, ids, _gather_fsdp(ws, ep), cfg, ep),
+    mesh=ep.mesh,
+    in_specs=(tokens, tokens, *(ep.param_spec(axes) for axes in _WEIGHT_AXES)),
+    out_specs=(tokens, jax.sharding.PartitionSpec()),
   )
   return fn(x_TD, expert_ids_TK, *weights)
 
 
-def _gather_fsdp(w_gate, w_up, w_down, mesh):
-  if mesh.shape["expert_fsdp"] == 1:
-    return w_gate, w_up, w_down
-  gather = lambda w, axis: jax.lax.all_gather(w, "expert_fsdp", axis=axis, tiled=True)  # noqa: E731
-  return gather(w_gate, 1), gather(w_up, 1), gather(w_down, 2)
+def device_major(x_BT, meshes):
+  """[B, T, ...] → [B·T, ...] with each dense-mesh device's tokens (B/R rows of its batch shard, T/C
+  positions of its context shard) one contiguous run, in device order.
+
+  A plain flatten matches the dense layout only with one row per device or no context split; otherwise
+  the tokens must move before the expert mesh can take them, and on kimi_k25_1t with 2 rows per chip
+  (512 chips) GSPMD replicated the attention instead (3.7 TB of temporaries). Splitting B and T into
+  (shards, local) first keeps every step of the reorder local to a device.
+  """
+  B, T, rest = x_BT.shape[0], x_BT.shape[1], x_BT.shape[2:]
+  deg = sharding.degrees(meshes)
+  r, c = deg.batch, deg.seq
+  if B % r or T % c:
+    return x_BT.reshape(B * T, *rest)
+  return x_BT.reshape(r, B // r, c, T // c, *rest).swapaxes(1, 2).reshape(B * T, *rest)
 
 
-def _all_to_all_body(x_TD, ids_TK, weights, cfg: ModelConfig, mesh):
-  n_ep = mesh.shape["expert"]
+def from_device_major(x_T, batch: int, meshes):
+  """The inverse of `device_major`: [B·T, ...] → [B, T, ...] for B = `batch` rows."""
+  T, rest = x_T.shape[0] // batch, x_T.shape[1:]
+  deg = sharding.degrees(meshes)
+  r, c = deg.batch, deg.seq
+  if batch % r or T % c:
+    return x_T.reshape(batch, T, *rest)
+  return x_T.reshape(r, c, batch // r, T // c, *rest).swapaxes(1, 2).reshape(batch, T, *rest)
+
+
+def _gather_fsdp(weights, ep: sharding.ExpertLayout):
+  """Each expert weight whole along d_model (its `embed` axis), gathered over the expert-FSDP axes."""
+  if ep.size(ep.fsdp) == 1:
+    return weights
+  return tuple(
+    jax.lax.all_gather(w, ep.fsdp, axis=axes.index("embed"), tiled=True)
+    for w, axes in zip(weights, _WEIGHT_AXES, strict=True)
+  )
+
+
+def _all_to_all_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLayout):
+  n_ep = ep.size(ep.experts)
   T, K = ids_TK.shape
   A, local_experts = T * K, cfg.n_experts // n_ep
   x_AD, ids_A = jnp.repeat(x_TD, K, axis=0), ids_TK.reshape(A)
@@ -77,17 +113,17 @@ def _all_to_all_body(x_TD, ids_TK, weights, cfg: ModelConfig, mesh):
   # Empty slots carry expert id `local_experts` (out of range): the expert paths give them zeros.
   send_ids = jnp.where(filled_PC, ids_A[source_PC] % local_experts, local_experts).reshape(-1)
 
-  recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0, tiled=True)
-  recv_ids = jax.lax.all_to_all(send_ids, "expert", 0, 0, tiled=True)
+  recv_x = jax.lax.all_to_all(send_x, ep.experts, 0, 0, tiled=True)
+  recv_ids = jax.lax.all_to_all(send_ids, ep.experts, 0, 0, tiled=True)
   local_slots = min(n_ep * send_slots, math.ceil(A / local_experts * cfg.capacity_factor))
   y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, max(local_slots, 1))
-  y_send = jax.lax.all_to_all(y_recv, "expert", 0, 0, tiled=True)
+  y_send = jax.lax.all_to_all(y_recv, ep.experts, 0, 0, tiled=True)
 
   # Unpack: assignment a comes back in slot (dest_a, rank_a) unless it was past the capacity.
   kept_A = rank_A < send_slots
   y_AD = jnp.where(kept_A[:, None], y_send[dest_A * send_slots + jnp.clip(rank_A, 0, send_slots - 1)], 0)
   dropped = jnp.sum(~kept_A) + dropped_local
-  return y_AD.reshape(T, K, -1), jax.lax.psum(dropped, _TOKENS)
+  return y_AD.reshape(T, K, -1), jax.lax.psum(dropped, ep.tokens)
 
 
 def ragged_offsets(sizes_SP: jax.Array, buffer_rows: int):
@@ -101,21 +137,21 @@ def ragged_offsets(sizes_SP: jax.Array, buffer_rows: int):
   return jnp.minimum(offsets_SP, buffer_rows), clamped_SP
 
 
-def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, mesh):
-  n_ep = mesh.shape["expert"]
+def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLayout):
+  n_ep = ep.size(ep.experts)
   T, K = ids_TK.shape
   A, local_experts = T * K, cfg.n_experts // n_ep
   rows = max(1, min(n_ep * A, math.ceil(A * cfg.capacity_factor)))
   x_AD, ids_A = jnp.repeat(x_TD, K, axis=0), ids_TK.reshape(A)
   dest_A = ids_A // local_experts
   order_A, sizes_P, starts_P, _ = sort_by_expert(dest_A, n_ep)
-  me = jax.lax.axis_index("expert")
-  sizes_SP = jax.lax.all_gather(sizes_P, "expert")  # every device's send counts
+  me = jax.lax.axis_index(ep.experts)
+  sizes_SP = jax.lax.all_gather(sizes_P, ep.experts)  # every device's send counts
   out_offsets_SP, sent_SP = ragged_offsets(sizes_SP, rows)
 
   def exchange(operand, output, in_offsets, send_sizes, out_offsets, recv_sizes):
     return jax.lax.ragged_all_to_all(
-      operand, output, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name="expert"
+      operand, output, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=ep.experts
     )
 
   x_sorted = x_AD[order_A]
@@ -138,10 +174,10 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, mesh):
   )
   y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, rows)
   # Back: my received chunk from s sits at out_offsets[s, me]; it returns to s's sorted rows.
-  starts_SP = jax.lax.all_gather(starts_P, "expert")
+  starts_SP = jax.lax.all_gather(starts_P, ep.experts)
   y_sorted = exchange(
     y_recv, jnp.zeros_like(x_sorted), out_offsets_SP[:, me], sent_SP[:, me], starts_SP[:, me], sent_SP[me]
   )
   y_AD = jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
   dropped = jnp.sum(sizes_P - sent_SP[me]) + dropped_local
-  return y_AD.reshape(T, K, -1), jax.lax.psum(dropped, _TOKENS)
+  return y_AD.reshape(T, K, -1), jax.lax.psum(dropped, ep.tokens)

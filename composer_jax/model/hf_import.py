@@ -6,6 +6,8 @@ its own slice — a stacked expert leaf [E, D, F] reads only the experts in the 
 the per-expert tensors. The host never holds a second full copy of the model. Saving streams one
 tensor (or one device's block of experts) at a time into a single `model.safetensors`.
 
+Our decoder layers are stacked (`dense_layers`, `moe_layers`: a leading layer axis, transformer.py);
+HF keeps one tensor per layer (`model.layers.{l}.*`), so a stacked leaf maps to one key per layer.
 HF stores `Linear` weights [out, in]; ours are [in, out] with heads split out:
 q_b_proj [H·K, Q] ↔ [Q, H, K], kv_b_proj [H·(N+V), C] ↔ [C, H, N+V], o_proj [D, H·V] ↔ [H, V, D].
 Routed experts are `mlp.experts.{e}.{gate,up,down}_proj.weight` on disk (per expert) or the fused
@@ -23,7 +25,6 @@ from collections.abc import Callable, Iterator
 import jax
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
 from composer_jax import sharding
 from composer_jax.model import transformer
@@ -68,39 +69,54 @@ _LAYOUTS = {
 _EXPERT_LEAVES = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
 
-def _tensor_map(cfg: ModelConfig) -> dict[tuple, tuple[str, str]]:
-  """Our leaf path → (HF key, layout) for every non-routed-expert leaf."""
-  out = {("embed",): ("model.embed_tokens.weight", "copy"), ("final_norm",): ("model.norm.weight", "copy")}
+def _layer_tensors(cfg: ModelConfig, moe: bool) -> dict[tuple, tuple[str, str]]:
+  """One layer's leaf path (inside its stack) → (HF key suffix after `model.layers.{l}.`, layout),
+  routed experts aside. Every layer of a stack has the same leaves."""
+  out = {("input_norm",): ("input_layernorm.weight", "copy")}
+  out[("post_attn_norm",)] = ("post_attention_layernorm.weight", "copy")
+  attn = {
+    "kv_a_proj": ("kv_a_proj_with_mqa", "t"),
+    "kv_a_norm": ("kv_a_layernorm", "copy"),
+    "kv_b_proj": ("kv_b_proj", "heads_out"),
+    "o_proj": ("o_proj", "heads_in"),
+  }
+  if cfg.q_lora_rank:
+    attn.update(
+      q_a_proj=("q_a_proj", "t"), q_a_norm=("q_a_layernorm", "copy"), q_b_proj=("q_b_proj", "heads_out")
+    )
+  else:
+    attn.update(q_proj=("q_proj", "heads_out"))
+  for name, (theirs, layout) in attn.items():
+    out[("attn", name)] = (f"self_attn.{theirs}.weight", layout)
+  mlp = ("gate_proj", "up_proj", "down_proj")
+  if moe:
+    out[("mlp", "router")] = ("mlp.gate.weight", "t")
+    out[("mlp", "router_bias")] = ("mlp.gate.e_score_correction_bias", "copy")
+    if cfg.n_shared_experts:
+      out.update({("mlp", "shared", name): (f"mlp.shared_experts.{name}.weight", "t") for name in mlp})
+  else:
+    out.update({("mlp", name): (f"mlp.{name}.weight", "t") for name in mlp})
+  return out
+
+
+def _tensor_map(cfg: ModelConfig) -> dict[tuple, tuple[tuple[str, ...], str, bool]]:
+  """Our leaf path → (HF keys, layout, stacked) for every non-routed-expert leaf: one key for a leaf
+  outside the stacks, one per layer (in stack order) for a stacked leaf."""
+  out = {("embed",): (("model.embed_tokens.weight",), "copy", False)}
+  out[("final_norm",)] = (("model.norm.weight",), "copy", False)
   if not cfg.tie_word_embeddings:
-    out[("lm_head",)] = ("lm_head.weight", "t")
+    out[("lm_head",)] = (("lm_head.weight",), "t", False)
+  for name, layers in _stack_layers(cfg).items():
+    for path, (suffix, layout) in _layer_tensors(cfg, name == transformer.MOE).items():
+      out[(name, *path)] = (tuple(f"model.layers.{layer}.{suffix}" for layer in layers), layout, True)
+  return out
+
+
+def _stack_layers(cfg: ModelConfig) -> dict[str, list[int]]:
+  """Stack key → the HF layer numbers it holds, in order."""
+  out: dict[str, list[int]] = {}
   for layer in range(cfg.n_layers):
-    hf, ours = f"model.layers.{layer}.", ("layers", layer)
-    out[(*ours, "input_norm")] = (hf + "input_layernorm.weight", "copy")
-    out[(*ours, "post_attn_norm")] = (hf + "post_attention_layernorm.weight", "copy")
-    attn = {
-      "kv_a_proj": ("kv_a_proj_with_mqa", "t"),
-      "kv_a_norm": ("kv_a_layernorm", "copy"),
-      "kv_b_proj": ("kv_b_proj", "heads_out"),
-      "o_proj": ("o_proj", "heads_in"),
-    }
-    if cfg.q_lora_rank:
-      attn.update(
-        q_a_proj=("q_a_proj", "t"), q_a_norm=("q_a_layernorm", "copy"), q_b_proj=("q_b_proj", "heads_out")
-      )
-    else:
-      attn.update(q_proj=("q_proj", "heads_out"))
-    for name, (theirs, layout) in attn.items():
-      out[(*ours, "attn", name)] = (f"{hf}self_attn.{theirs}.weight", layout)
-    mlp = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-    if cfg.is_moe_layer(layer):
-      out[(*ours, "mlp", "router")] = (hf + "mlp.gate.weight", "t")
-      out[(*ours, "mlp", "router_bias")] = (hf + "mlp.gate.e_score_correction_bias", "copy")
-      if cfg.n_shared_experts:
-        for name in mlp:
-          out[(*ours, "mlp", "shared", name)] = (f"{hf}mlp.shared_experts.{name}.weight", "t")
-    else:
-      for name in mlp:
-        out[(*ours, "mlp", name)] = (f"{hf}mlp.{name}.weight", "t")
+    out.setdefault(transformer.layer_slot(cfg, layer)[0], []).append(layer)
   return out
 
 
@@ -178,6 +194,15 @@ def _mtp_layers(path: str) -> int:
   return int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0)
 
 
+def _stacked(per_layer: list[Callable]) -> Callable:
+  """A reader of a stacked leaf [L, ...] from readers of each layer's [...] slice."""
+
+  def read(index, dtype):
+    return np.stack([per_layer[layer](index[1:], dtype) for layer in range(len(per_layer))[index[0]]])
+
+  return read
+
+
 def _sources(ckpt: _Checkpoint, cfg: ModelConfig, abstract: dict) -> tuple[dict, set]:
   """Leaf path → callback(index, dtype) giving that slice in our layout; and the HF keys used.
 
@@ -185,57 +210,69 @@ def _sources(ckpt: _Checkpoint, cfg: ModelConfig, abstract: dict) -> tuple[dict,
   copy: a device buffer must never alias the mapped file (it may be overwritten later).
   """
   sources, used = {}, set()
-  for path, (key, layout) in _tensor_map(cfg).items():
-    shape = _leaf(abstract, path).shape
-    ckpt.shape(key, _LAYOUTS[layout][0](shape))
-    used.add(key)
-    view = _LAYOUTS[layout][1]
-    sources[path] = lambda index, dtype, key=key, view=view, shape=shape: np.array(
-      view(ckpt.array(key), shape)[index], dtype, order="C"
-    )
-  for layer in range(cfg.n_layers):
-    if not cfg.is_moe_layer(layer):
-      continue
-    E, F = cfg.n_experts, cfg.moe_mlp_dim
-    fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
-    for name, proj in _EXPERT_LEAVES.items():
-      path = ("layers", layer, "mlp", name)
-      shape = _leaf(abstract, path).shape  # [E, D, F] or [E, F, D]
-      if fused in ckpt:
-        if proj == "down_proj":
-          key, part = f"model.layers.{layer}.mlp.experts.down_proj", slice(None)
-          ckpt.shape(key, (E, shape[2], shape[1]))
-        else:
-          key, part = fused, slice(0, F) if proj == "gate_proj" else slice(F, 2 * F)
-          ckpt.shape(key, (E, 2 * F, shape[1]))
-        used.add(key)
-        sources[path] = lambda index, dtype, key=key, part=part: np.array(
-          ckpt.array(key)[:, part].transpose(0, 2, 1)[index], dtype, order="C"
+  for path, (keys, layout, stacked) in _tensor_map(cfg).items():
+    shape = _leaf(abstract, path).shape[1 if stacked else 0 :]
+    readers = []
+    for key in keys:
+      ckpt.shape(key, _LAYOUTS[layout][0](shape))
+      used.add(key)
+      view = _LAYOUTS[layout][1]
+      readers.append(
+        lambda index, dtype, key=key, view=view, shape=shape: np.array(
+          view(ckpt.array(key), shape)[index], dtype, order="C"
         )
-      else:
-        keys = [_expert_key(layer, e, proj) for e in range(E)]
-        for key in keys:
-          ckpt.shape(key, shape[:0:-1])
-        used.update(keys)
-
-        def per_expert(index, dtype, keys=keys, shape=shape):
-          picked = range(len(keys))[index[0]]
-          rows, cols = (range(n)[i] for n, i in zip(shape[1:], index[1:], strict=True))
-          out = np.empty((len(picked), len(rows), len(cols)), dtype)
-          for i, e in enumerate(picked):  # only this shard's experts are read
-            out[i] = ckpt.array(keys[e]).T[index[1:]]
-          return out
-
-        sources[path] = per_expert
+      )
+    sources[path] = _stacked(readers) if stacked else readers[0]
+  moe_layers = _stack_layers(cfg).get(transformer.MOE, [])
+  for name in _EXPERT_LEAVES:
+    path = (transformer.MOE, "mlp", name)
+    if moe_layers:
+      shape = _leaf(abstract, path).shape[1:]  # [E, D, F] or [E, F, D]
+      sources[path] = _stacked([_expert_reader(ckpt, cfg, layer, name, shape, used) for layer in moe_layers])
   return sources, used
 
 
+def _expert_reader(ckpt: _Checkpoint, cfg: ModelConfig, layer: int, name: str, shape: tuple, used: set):
+  """Reader of one layer's routed-expert leaf [E, D, F] / [E, F, D] from the fused in-memory layout
+  or the per-expert tensors (reading only the experts of the requested slice)."""
+  E, F, proj = cfg.n_experts, cfg.moe_mlp_dim, _EXPERT_LEAVES[name]
+  fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+  if fused in ckpt:
+    if proj == "down_proj":
+      key, part = f"model.layers.{layer}.mlp.experts.down_proj", slice(None)
+      ckpt.shape(key, (E, shape[2], shape[1]))
+    else:
+      key, part = fused, slice(0, F) if proj == "gate_proj" else slice(F, 2 * F)
+      ckpt.shape(key, (E, 2 * F, shape[1]))
+    used.add(key)
+    return lambda index, dtype: np.array(ckpt.array(key)[:, part].transpose(0, 2, 1)[index], dtype, order="C")
+  keys = [_expert_key(layer, e, proj) for e in range(E)]
+  for key in keys:
+    ckpt.shape(key, shape[:0:-1])
+  used.update(keys)
+
+  def per_expert(index, dtype):
+    picked = range(len(keys))[index[0]]
+    rows, cols = (range(n)[i] for n, i in zip(shape[1:], index[1:], strict=True))
+    out = np.empty((len(picked), len(rows), len(cols)), dtype)
+    for i, e in enumerate(picked):  # only this shard's experts are read
+      out[i] = ckpt.array(keys[e]).T[index[1:]]
+    return out
+
+  return per_expert
+
+
 def _check_unused(ckpt: _Checkpoint, used: set, cfg: ModelConfig, n_mtp: int) -> None:
+  """Every tensor must have a place, but empty ones (HF writes shared experts of width 0 when
+  n_shared_experts = 0), rotary buffers, MTP layers and the vision branch."""
   mtp = tuple(f"model.layers.{layer}." for layer in range(cfg.n_layers, cfg.n_layers + n_mtp))
   unused = sorted(
     raw
-    for key, (_, raw, *_) in ckpt.entries.items()
-    if key not in used and "rotary_emb." not in key and not key.startswith(mtp + _VISION_PREFIXES)
+    for key, (_, raw, _, shape, *_) in ckpt.entries.items()
+    if key not in used
+    and 0 not in shape
+    and "rotary_emb." not in key
+    and not key.startswith(mtp + _VISION_PREFIXES)
   )
   if unused:
     raise ValueError(
@@ -260,9 +297,7 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, meshes: sharding.Meshes | No
       f"{ckpt.source} holds quantised weights (e.g. {quantised[:3]}): int4 / fp8 dequantisation isn't "
       "supported; dequantise the checkpoint to bf16 first."
     )
-  # = jax.eval_shape(init), from the trace `logical_axes` caches: tracing a 61-layer model takes
-  # ~40 s on CPU, so trace once.
-  abstract = nnx.to_pure_dict(transformer._abstract(cfg)[1])  # noqa: SLF001
+  abstract = transformer.abstract_params(cfg)
   sources, used = _sources(ckpt, cfg, abstract)
   _check_unused(ckpt, used, cfg, _mtp_layers(path))
   if meshes is None:
@@ -307,17 +342,24 @@ def _host_blocks(x) -> Iterator[tuple[int, np.ndarray]]:
 
 
 def _hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, tuple, np.dtype, Callable]]:
-  """(HF key, shape, dtype, thunk giving the array) in file order; experts one at a time."""
-  for path, (key, layout) in _tensor_map(cfg).items():
+  """(HF key, shape, dtype, thunk giving the array) in file order; stacks one layer at a time,
+  experts one at a time."""
+  for path, (keys, layout, stacked) in _tensor_map(cfg).items():
     x = _leaf(params, path)
-    hf_shape = _LAYOUTS[layout][0](tuple(x.shape))
-    yield key, hf_shape, np.dtype(x.dtype), lambda x=x, layout=layout: _LAYOUTS[layout][2](np.asarray(x))
-  for layer in range(cfg.n_layers):
-    if not cfg.is_moe_layer(layer):
-      continue
+    shape = tuple(x.shape[1:] if stacked else x.shape)
+    hf_shape, to_hf = _LAYOUTS[layout][0](shape), _LAYOUTS[layout][2]
+    for i, key in enumerate(keys):
+      yield (
+        key,
+        hf_shape,
+        np.dtype(x.dtype),
+        lambda x=x, i=i, s=stacked, f=to_hf: f(np.asarray(x[i] if s else x)),
+      )
+  moe_layers = _stack_layers(cfg).get(transformer.MOE, [])
+  for i, layer in enumerate(moe_layers):
     for name, proj in _EXPERT_LEAVES.items():
-      x = _leaf(params, ("layers", layer, "mlp", name))
-      blocks = _host_blocks(x)  # one block alive at a time; experts arrive in order
+      x = _leaf(params, (transformer.MOE, "mlp", name))
+      blocks = _host_blocks(x[i])  # one block alive at a time; experts arrive in order
       state = {"start": 0, "block": np.empty((0,))}
 
       def expert(e, blocks=blocks, state=state):
@@ -325,8 +367,8 @@ def _hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, tuple, np
           state["start"], state["block"] = next(blocks)
         return state["block"][e - state["start"]].T
 
-      hf_shape = tuple(x.shape[:0:-1])
-      for e in range(x.shape[0]):
+      hf_shape = tuple(x.shape[:1:-1])
+      for e in range(x.shape[1]):
         yield _expert_key(layer, e, proj), hf_shape, np.dtype(x.dtype), lambda e=e, f=expert: f(e)
 
 

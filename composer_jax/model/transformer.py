@@ -1,11 +1,18 @@
-"""The decoder: embedding → blocks (MLA + dense MLP or MoE) → norm → LM head, used functionally.
+"""The decoder: embedding → stacked blocks (MLA + dense MLP or MoE), scanned → norm → LM head.
 
-Shape suffixes: B batch, T time, S cache length, D d_model, V vocab, L layers, C kv_lora_rank,
-R qk_rope_head_dim.
+Shape suffixes: B batch, T time, S cache length, D d_model, V vocab, L layers (of one stack), H heads,
+K top_k, C kv_lora_rank, R qk_rope_head_dim.
 
-Modules are Flax NNX; callers only see pure pytrees. `init` returns the parameters as a nested
-dict of arrays (already sharded over the two meshes); `apply` rebuilds the module from them
-inside the trace (`nnx.merge`), so it jits, grads and vmaps like any pure function.
+Parameters are a nested dict: `embed`, `final_norm`, `lm_head` and two *stacks*, `dense_layers` (the
+first `first_k_dense` layers, dense MLP) and `moe_layers` (the rest), each holding its layers'
+parameters with a leading `layers` axis (logical name `layers`, a batch axis for Muon). A stack runs as
+one `jax.lax.scan` over that axis (MaxText's `scan_layers`), so tracing and compiling cost one block
+whatever the depth; in training the scanned body is rematerialised per `ModelConfig.remat`.
+`cfg.scan_layers=False` unrolls the same stacks (one copy of the block per layer in the program).
+
+Modules are Flax NNX and own one block's (or the embedding's) parameters; callers only see pure
+pytrees. Inside the scan each layer's slice of the stack is merged into a `Block` (`nnx.merge`), so
+the forward jits, grads and vmaps like any pure function.
 """
 
 from __future__ import annotations
@@ -24,13 +31,18 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import MLP, KeyStream, ones, param, project, rms_norm
 from composer_jax.model.moe import MoE
 
+DENSE, MOE = "dense_layers", "moe_layers"
+_OUTER = "outer"  # the embedding, final norm and LM head
+
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+  """One decoder layer: pre-norm MLA, then pre-norm dense SwiGLU MLP or MoE."""
+
+  def __init__(self, cfg: ModelConfig, moe: bool, rngs: KeyStream | nnx.Rngs):
     self.input_norm = ones(cfg, cfg.d_model)
     self.attn = MLA(cfg, rngs)
     self.post_attn_norm = ones(cfg, cfg.d_model)
-    self.mlp = MoE(cfg, rngs) if cfg.is_moe_layer(layer) else MLP(cfg, cfg.dense_mlp_dim, rngs)
+    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.dense_mlp_dim, rngs)
     self.eps = cfg.rms_norm_eps
 
   def __call__(self, x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, routed_experts_BTK=None):
@@ -47,68 +59,92 @@ class Block(nnx.Module):
     return out_BTD, new_cache, aux, max_logit_H
 
 
-class Transformer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+class Outer(nnx.Module):
+  """The parameters outside the stacks: token embedding, final norm, LM head (unless tied)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: KeyStream | nnx.Rngs):
     self.embed = nnx.Param(
       jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model)).astype(cfg.param_dtype) * cfg.init_std,
       out_sharding=("vocab", "embed"),
     )
-    self.layers = nnx.List([Block(cfg, layer, rngs) for layer in range(cfg.n_layers)])
     self.final_norm = ones(cfg, cfg.d_model)
     if not cfg.tie_word_embeddings:
       self.lm_head = param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
-    self.cfg = cfg
 
-  def __call__(self, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_experts_LBTK=None):
-    cfg = self.cfg
-    # Out-of-range ids read NaN rows (never a silently clamped row), so bad data shows in the loss.
-    x_BTD = (
-      self.embed[...]
-      .at[tokens_BT]
-      .get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
-      .astype(cfg.dtype)
-    )
-    x_BTD = sharding.constrain(x_BTD, ("batch", "seq", "act_embed"), meshes)
-    cos, sin = rope.cos_sin(cfg, pos_BT)
-    if cache is not None:
-      index = cache["index"]
-      k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], pos_BT.astype(jnp.int32), index, 1)
-      k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segments"], seg_BT.astype(jnp.int32), index, 1)
-    latents, k_ropes, moe_aux, max_logits = [], [], [], []
-    for layer, block in enumerate(self.layers):
-      forced_BTK = None
-      if routed_experts_LBTK is not None and isinstance(block.mlp, MoE):
-        forced_BTK = routed_experts_LBTK[len(moe_aux)]
-      layer_cache = None
-      if cache is not None:
-        layer_cache = (cache["latent"][layer], cache["k_rope"][layer], index, k_pos, k_seg)
-        x_BTD, new_layer_cache, aux, max_logit_H = block(
-          x_BTD, cos, sin, pos_BT, seg_BT, layer_cache, meshes, forced_BTK
-        )
-      else:  # training: the block may be rematerialised in the backward pass
-        x_BTD, new_layer_cache, aux, max_logit_H = _remat(block, cfg.remat)(
-          x_BTD, cos, sin, pos_BT, seg_BT, meshes, forced_BTK
-        )
-      max_logits.append(max_logit_H)
-      if new_layer_cache is not None:
-        latents.append(new_layer_cache[0])
-        k_ropes.append(new_layer_cache[1])
-      if aux is not None:
-        moe_aux.append(aux)
-    x_BTD = rms_norm(x_BTD, self.final_norm[...], cfg.rms_norm_eps)
-    head_DV = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-    logits_BTV = project("btd,dv->btv", x_BTD, head_DV, cfg.dtype).astype(jnp.float32)
-    aux = _collect_aux(moe_aux, cfg, tokens_BT.shape)
-    aux["max_logit"] = jnp.stack(max_logits)  # [L, H]: each head's largest attention logit
-    if cache is not None:
-      aux["cache"] = {
-        "index": index + tokens_BT.shape[1],
-        "positions": k_pos,
-        "segments": k_seg,
-        "latent": jnp.stack(latents),
-        "k_rope": jnp.stack(k_ropes),
-      }
-    return logits_BTV, aux
+
+def stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+  """(params key, layer count) of the non-empty stacks, in layer order."""
+  return tuple((name, n) for name, n in ((DENSE, cfg.first_k_dense), (MOE, cfg.n_moe_layers)) if n)
+
+
+def layer_slot(cfg: ModelConfig, layer: int) -> tuple[str, int]:
+  """Where decoder layer `layer` (HF's `model.layers.{layer}`) lives: (stack key, index in it)."""
+  if not 0 <= layer < cfg.n_layers:
+    raise IndexError(f"layer {layer} is outside [0, n_layers={cfg.n_layers}).")
+  return (DENSE, layer) if layer < cfg.first_k_dense else (MOE, layer - cfg.first_k_dense)
+
+
+def _build(cfg: ModelConfig, part: str, rngs: KeyStream) -> nnx.Module:
+  return Outer(cfg, rngs) if part == _OUTER else Block(cfg, part == MOE, rngs)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract(cfg: ModelConfig, part: str):
+  """(graphdef, abstract state) of the outer module or of one block of a stack; traced once."""
+  with nnx.use_eager_sharding(False):
+    module = nnx.eval_shape(lambda: _build(cfg, part, KeyStream(0)))
+  return nnx.split(module)
+
+
+def _per_variable(cfg: ModelConfig, fn) -> dict:
+  """A params-shaped tree of fn(variable, stacked) over every parameter."""
+
+  def tree(part: str, stacked: bool) -> dict:
+    state = _abstract(cfg, part)[1]
+    mapped = jax.tree.map(lambda v: fn(v, stacked), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(mapped)
+
+  out = tree(_OUTER, False)
+  for name, _ in stacks(cfg):
+    out[name] = tree(name, True)
+  return out
+
+
+def logical_axes(cfg: ModelConfig) -> dict:
+  """The params tree with each leaf replaced by its tuple of logical axis names (stacks: `layers` first)."""
+  return _per_variable(
+    cfg, lambda v, stacked: ("layers",) * stacked + tuple(v.get_metadata()["out_sharding"])
+  )
+
+
+def trainable_mask(cfg: ModelConfig) -> dict:
+  """True for leaves the optimizer updates; False for the router bias (moved by its own rule)."""
+  return _per_variable(cfg, lambda v, stacked: isinstance(v, nnx.Param))
+
+
+def _init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+  with nnx.use_eager_sharding(False):
+    out = nnx.to_pure_dict(nnx.state(Outer(cfg, KeyStream(jax.random.fold_in(key, 0)))))
+    for i, (name, n) in enumerate(stacks(cfg)):
+      keys = jax.random.split(jax.random.fold_in(key, i + 1), n)
+      out[name] = jax.vmap(lambda k, name=name: nnx.to_pure_dict(nnx.state(_build(cfg, name, KeyStream(k)))))(
+        keys
+      )
+  return out
+
+
+@functools.lru_cache(maxsize=32)
+def abstract_params(cfg: ModelConfig) -> dict:
+  """The parameter tree as ShapeDtypeStructs: no memory, no compute, cost independent of depth."""
+  return jax.eval_shape(functools.partial(_init_params, cfg), jax.random.key(0))
+
+
+def init(cfg: ModelConfig, rng: jax.Array, meshes: sharding.Meshes | None = None) -> dict:
+  """Random parameters, each created directly in its shard (expert mesh or dense mesh)."""
+  out_shardings = None
+  if meshes is not None:
+    out_shardings = sharding.param_shardings(logical_axes(cfg), abstract_params(cfg), meshes)
+  return jax.jit(functools.partial(_init_params, cfg), out_shardings=out_shardings)(rng)
 
 
 _REMAT_POLICIES = {
@@ -118,20 +154,87 @@ _REMAT_POLICIES = {
 }
 
 
-def _remat(block: Block, policy: str):
-  """The block as a function of its activations, rematerialised per `ModelConfig.remat`."""
+def _run_stack(cfg, name, stack, x_BTD, ctx, cache_LBS, routed_LBTK, meshes):
+  """Scans one stack's layers over x; returns (x, (new latents, new rope keys), MoE aux, max logits)."""
+  graphdef, abstract = _abstract(cfg, name)
+  cos, sin, pos_BT, seg_BT, shared_cache = ctx
 
-  def run(blk, x_BTD, cos, sin, pos_BT, seg_BT, meshes, routed_experts_BTK):
-    return blk(x_BTD, cos, sin, pos_BT, seg_BT, None, meshes, routed_experts_BTK)
+  def body(x_BTD, xs):
+    layer_params, layer_cache, forced_BTK = xs
+    state = jax.tree.map(lambda v: v, abstract)  # fresh Variables to fill
+    nnx.replace_by_pure_dict(state, layer_params)
+    block = nnx.merge(graphdef, state)
+    cache = None if layer_cache is None else (*layer_cache, *shared_cache)
+    x_BTD, new_cache, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, forced_BTK)
+    return x_BTD, (new_cache, aux, max_logit_H)
 
-  if policy == "none":
-    return functools.partial(run, block)
-  remat_run = nnx.remat(run, policy=_REMAT_POLICIES[policy], static_argnums=(6,))
-  return functools.partial(remat_run, block)
+  n = jax.tree.leaves(stack)[0].shape[0]
+  if cache_LBS is None and cfg.remat != "none":  # training: recompute the block in the backward pass
+    # A loop keeps XLA from merging the recomputation with the forward pass (CSE), so scanned bodies
+    # skip jax's optimisation barrier; XLA removes a loop of one iteration (or an unrolled one), and
+    # without the barrier the "recomputed" block reused the forward's buffers: no remat at all.
+    barrier = n == 1 or not cfg.scan_layers
+    body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=barrier)
+  x_BTD, (new_cache, aux, max_logit_LH) = jax.lax.scan(
+    body, x_BTD, (stack, cache_LBS, routed_LBTK), unroll=1 if cfg.scan_layers else n
+  )
+  return x_BTD, new_cache, aux, max_logit_LH
 
 
-def _collect_aux(moe_aux: list[dict], cfg: ModelConfig, tokens_shape: tuple[int, int]) -> dict:
-  if not moe_aux:
+def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_experts_LBTK):
+  """Logits and aux of `apply` (arguments already checked and defaulted)."""
+  # Out-of-range ids read NaN rows (never a silently clamped row), so bad data shows in the loss.
+  x_BTD = (
+    params["embed"]
+    .at[tokens_BT]
+    .get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
+    .astype(cfg.dtype)
+  )
+  x_BTD = sharding.constrain(x_BTD, ("batch", "seq", "act_embed"), meshes)
+  cos, sin = rope.cos_sin(cfg, pos_BT)
+  shared_cache = ()
+  if cache is not None:
+    index = cache["index"]
+    k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], pos_BT.astype(jnp.int32), index, 1)
+    k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segments"], seg_BT.astype(jnp.int32), index, 1)
+    shared_cache = (index, k_pos, k_seg)
+  ctx = (cos, sin, pos_BT, seg_BT, shared_cache)
+  latents, k_ropes, max_logits, moe_aux, start = [], [], [], None, 0
+  for name, n in stacks(cfg):
+    cache_LBS = (
+      None if cache is None else (cache["latent"][start : start + n], cache["k_rope"][start : start + n])
+    )
+    routed_LBTK = routed_experts_LBTK if name == MOE else None
+    x_BTD, new_cache, aux, max_logit_LH = _run_stack(
+      cfg, name, params[name], x_BTD, ctx, cache_LBS, routed_LBTK, meshes
+    )
+    max_logits.append(max_logit_LH)
+    if new_cache is not None:
+      latents.append(new_cache[0])
+      k_ropes.append(new_cache[1])
+    if aux is not None:
+      moe_aux = aux
+    start += n
+  x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
+  head_DV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+  logits_BTV = project("btd,dv->btv", x_BTD, head_DV, cfg.dtype).astype(jnp.float32)
+  aux = _collect_aux(moe_aux, cfg, tokens_BT.shape)
+  # [L, H]: each head's largest attention logit, layers in order
+  aux["max_logit"] = jnp.concatenate(max_logits) if max_logits else jnp.zeros((0, cfg.n_heads), jnp.float32)
+  if cache is not None:
+    aux["cache"] = {
+      "index": cache["index"] + tokens_BT.shape[1],
+      "positions": shared_cache[1],
+      "segments": shared_cache[2],
+      "latent": jnp.concatenate(latents) if latents else cache["latent"],
+      "k_rope": jnp.concatenate(k_ropes) if k_ropes else cache["k_rope"],
+    }
+  return logits_BTV, aux
+
+
+def _collect_aux(moe_aux: dict | None, cfg: ModelConfig, tokens_shape: tuple[int, int]) -> dict:
+  """The MoE stack's per-layer aux ([L, ...] from the scan) as the model's aux metrics."""
+  if moe_aux is None:
     zero = jnp.zeros((), jnp.float32)
     return {
       "expert_load": jnp.zeros((0, cfg.n_experts)),
@@ -140,50 +243,11 @@ def _collect_aux(moe_aux: list[dict], cfg: ModelConfig, tokens_shape: tuple[int,
       "routed_experts": jnp.zeros((0, *tokens_shape, cfg.top_k), jnp.int32),
     }
   return {
-    "expert_load": jnp.stack([a["expert_load"] for a in moe_aux]),  # [L_moe, E]
-    "overflow": sum(a["overflow"] for a in moe_aux),  # dropped assignments, all layers
-    "balance_loss": jnp.mean(jnp.stack([a["balance_loss"] for a in moe_aux])),
-    "routed_experts": jnp.stack([a["routed_experts"] for a in moe_aux]),  # [L_moe, B, T, K]
+    "expert_load": moe_aux["expert_load"],  # [L_moe, E]
+    "overflow": jnp.sum(moe_aux["overflow"]),  # dropped assignments, all layers
+    "balance_loss": jnp.mean(moe_aux["balance_loss"]),
+    "routed_experts": moe_aux["routed_experts"],  # [L_moe, B, T, K]
   }
-
-
-@functools.lru_cache(maxsize=32)
-def _abstract(cfg: ModelConfig):
-  """(graphdef, abstract state) of the model; built once per config, no memory allocated."""
-  with nnx.use_eager_sharding(False):
-    module = nnx.eval_shape(lambda: Transformer(cfg, KeyStream(0)))
-  return nnx.split(module)
-
-
-def logical_axes(cfg: ModelConfig) -> dict:
-  """The params tree with each leaf replaced by its tuple of logical axis names."""
-  _, state = _abstract(cfg)
-  return nnx.to_pure_dict(
-    jax.tree.map(
-      lambda v: tuple(v.get_metadata()["out_sharding"]), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-  )
-
-
-def trainable_mask(cfg: ModelConfig) -> dict:
-  """True for leaves the optimizer updates; False for the router bias (moved by its own rule)."""
-  _, state = _abstract(cfg)
-  return nnx.to_pure_dict(
-    jax.tree.map(lambda v: isinstance(v, nnx.Param), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  )
-
-
-def init(cfg: ModelConfig, rng: jax.Array, meshes: sharding.Meshes | None = None) -> dict:
-  """Random parameters, each created directly in its shard (expert mesh or dense mesh)."""
-
-  def make(key):
-    with nnx.use_eager_sharding(False):
-      return nnx.to_pure_dict(nnx.state(Transformer(cfg, KeyStream(key))))
-
-  out_shardings = None
-  if meshes is not None:
-    out_shardings = sharding.param_shardings(logical_axes(cfg), jax.eval_shape(make, rng), meshes)
-  return jax.jit(make, out_shardings=out_shardings)(rng)
 
 
 def apply(
@@ -208,7 +272,8 @@ def apply(
   layer include a negative one keeps that layer's own choice. None: the model routes itself.
   aux: `expert_load` [MoE layers, E] assignments per expert, `overflow` dropped assignments
   (capacity paths; 0 when dropless), `balance_loss` the sequence-wise balance loss,
-  `routed_experts` int32 [MoE layers, B, T, top_k] the experts used (replayed or chosen).
+  `routed_experts` int32 [MoE layers, B, T, top_k] the experts used (replayed or chosen),
+  `max_logit` [layers, H] each head's largest attention logit (what QK-clip caps).
   """
   tokens = jnp.asarray(tokens)
   _check_tokens(tokens, cfg)
@@ -218,17 +283,13 @@ def apply(
     positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
   if segment_ids is None:
     segment_ids = jnp.ones((B, T), jnp.int32)
-  graphdef, abstract_state = _abstract(cfg)
-  state = jax.tree.map(lambda x: x, abstract_state)  # fresh Variables to fill
-  nnx.replace_by_pure_dict(state, params)
-  module = nnx.merge(graphdef, state)
   if routed_experts is not None:
     want = (cfg.n_moe_layers, B, T, cfg.top_k)
     if tuple(routed_experts.shape) != want:
       raise ValueError(
         f"routed_experts must be [MoE layers, B, T, top_k] = {list(want)}; got {list(routed_experts.shape)}."
       )
-  return module(tokens, positions, segment_ids, cache, meshes, routed_experts)
+  return _forward(params, cfg, tokens, positions, segment_ids, cache, meshes, routed_experts)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:

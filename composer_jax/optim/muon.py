@@ -21,6 +21,7 @@ derives it from the logical axes, exactly as `model.init` places the parameters)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -43,7 +44,7 @@ class ShardedMuonState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _View:
+class MatrixView:
   """How one leaf becomes a [B, M, K] stack and which mesh axes shard each of B, M, K."""
 
   perm: tuple[int, ...]
@@ -91,19 +92,82 @@ def _merged_axes(dims: tuple[int, ...], spec: tuple, mesh) -> tuple[str, ...]:
   return tuple(names)
 
 
-def _view(shape: tuple[int, ...], dn: MuonDimensionNumbers, where: NamedSharding | None) -> _View:
+def matrix_view(shape: tuple[int, ...], dn: MuonDimensionNumbers, where: NamedSharding | None) -> MatrixView:
+  """The [B, M, K] view of a leaf of `shape` placed at `where` (None: no meshes).
+
+  Batch axes are ordered sharded-first: a stacked expert leaf [L, E, D, F] with E over the expert
+  axis becomes B = E·L, so each device's experts stay one contiguous block of B (L first would
+  interleave them and force a gather).
+  """
   if len(shape) < 2:
     raise ValueError(f"Muon needs a leaf of rank >= 2; got shape {shape}. Give it dimension numbers None.")
   red, out = _normalize_dims(len(shape), dn)
   batch = tuple(a for a in range(len(shape)) if a not in red and a not in out)
+  mesh, spec = (where.mesh, tuple(where.spec)) if where is not None else (None, ())
+  if where is not None:
+    batch = tuple(sorted(batch, key=lambda a: not _merged_axes((a,), spec, mesh)))
   perm = batch + red + out
   sizes = tuple(math.prod(shape[a] for a in g) for g in (batch, red, out))
   axes: tuple = ((), (), ())
-  mesh = None
   if where is not None:
-    mesh, spec = where.mesh, tuple(where.spec)
     axes = tuple(_merged_axes(g, spec, mesh) for g in (batch, red, out))
-  return _View(perm, sizes, tuple(shape[a] for a in perm), axes, mesh, where)
+  return MatrixView(perm, sizes, tuple(shape[a] for a in perm), axes, mesh, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Views orthogonalised together in one `shard_map`: same mesh, same mesh axes on B, M and K, same
+  (M, K) and dtype. Sizes are per device.
+
+  local: whole-or-sharded matrices each device holds before padding (Σ B / |B's axes| over members).
+  exchange: devices sharding M and K: the all-to-all that makes matrices whole runs over them.
+  copy_axes, copies: mesh axes that shard none of B, M, K (each holds an identical copy of the group)
+    and that split the NS work among them, and their size; copy axes not listed (a group too small for
+    them) orthogonalise their share redundantly, with no all-gather.
+  padded: the local stack after zero padding, a multiple of exchange·copies; each device
+    orthogonalises padded / (exchange·copies) whole matrices.
+  """
+
+  members: tuple[int, ...]
+  view: MatrixView
+  dtype: Any
+  local: int
+  exchange: int
+  copy_axes: tuple[str, ...]
+  copies: int
+  padded: int
+
+  @property
+  def per_device(self) -> int:
+    return self.padded // (self.exchange * self.copies)
+
+
+def group_views(views: dict[int, MatrixView], dtypes: dict[int, Any]) -> list[Group]:
+  """Leaf index → view, dtype ⇒ the groups `sharded_muon` orthogonalises (the planner's input too).
+
+  The copies that split a group's NS work are the largest set of copy axes with at most one whole
+  matrix per device each: a group of 2 matrices on 1024 devices is padded to its 16 fsdp devices,
+  not to 1024 (dion pads to the exchange axis only; notes/accelerators.md), while a large group
+  is spread over all copies.
+  """
+  by_key: dict[tuple, list[int]] = {}
+  for i, v in views.items():
+    by_key.setdefault((v.mesh, v.axes, v.shape[1:], dtypes[i]), []).append(i)
+  groups = []
+  for (mesh, axes, _, dtype), members in by_key.items():
+    shape = dict(mesh.shape) if mesh is not None else {}
+    b_axes, m_axes, k_axes = axes
+    exchange = math.prod(shape[a] for a in m_axes + k_axes)
+    local = sum(views[i].shape[0] // math.prod(shape[a] for a in b_axes) for i in members)
+    used = set(b_axes + m_axes + k_axes)
+    free = [a for a, size in shape.items() if a not in used and size > 1]
+    subsets = (c for r in range(len(free) + 1) for c in itertools.combinations(free, r))
+    fitting = [c for c in subsets if math.prod(shape[a] for a in c) <= -(-local // exchange)]
+    copy_axes = max(fitting, key=lambda c: math.prod(shape[a] for a in c))
+    copies = math.prod(shape[a] for a in copy_axes)
+    padded = local + (-local % (exchange * copies))
+    groups.append(Group(tuple(members), views[members[0]], dtype, local, exchange, copy_axes, copies, padded))
+  return groups
 
 
 def _lookup(tree: Any, is_leaf: Callable[[Any], bool]) -> Callable[[tuple], Any]:
@@ -131,31 +195,21 @@ def _axis_name(axes: tuple[str, ...]) -> str | tuple[str, ...]:
   return axes[0] if len(axes) == 1 else axes
 
 
-def _copy_axes(view: _View) -> tuple[str, ...]:
-  """Mesh axes (size > 1) that shard none of the view's B, M, K: each holds a full copy."""
-  if view.mesh is None:
-    return ()
-  used = set(sum(view.axes, ()))
-  return tuple(a for a, size in view.mesh.shape.items() if a not in used and size > 1)
-
-
-def _orthogonalize_group(xs_BMK: list[jax.Array], view: _View, coeffs_S3, norm_scale: float, eps: float):
+def _orthogonalize_group(xs_BMK: list[jax.Array], group: Group, coeffs_S3, norm_scale: float, eps: float):
   """One group's local blocks → whole matrices by all_to_all → NS → back (runs inside shard_map).
 
   Mesh axes that shard none of B, M, K hold identical copies of the group (the replica axis of
   HSDP, an fsdp axis of size 1 aside). Rather than orthogonalise every matrix on every copy, each
   copy takes 1/r of the whole matrices and an all_gather over those axes restores the rest: NS
-  work per device is the group's total ÷ (all devices), the ideal.
+  work per device is the group's total ÷ (all devices), the ideal (when the group is large enough;
+  `group_views`).
   """
   counts = [x.shape[0] for x in xs_BMK]
   x_NMK = jnp.concatenate(xs_BMK, axis=0) if len(xs_BMK) > 1 else xs_BMK[0]
-  _, m_axes, k_axes = view.axes
-  shape = view.mesh.shape if view.mesh is not None else {}
-  devices = math.prod(shape[a] for a in m_axes + k_axes)
-  free = _copy_axes(view)
-  copies = math.prod(shape[a] for a in free)
+  _, m_axes, k_axes = group.view.axes
+  free, copies = group.copy_axes, group.copies
   n = x_NMK.shape[0]
-  pad = -n % (devices * copies)
+  pad = group.padded - n
   if pad:
     x_NMK = jnp.concatenate([x_NMK, jnp.zeros((pad,) + x_NMK.shape[1:], x_NMK.dtype)], axis=0)
   # Rows then columns: [P, M/m, K/k] → [P/m, M, K/k] → [P/(m·k), M, K], whole matrices per device.
@@ -193,15 +247,12 @@ def _momentum(g, m, count, beta: float, nesterov: bool):
 
 def _orthogonalize_all(mu_hats: dict, views: dict, coeffs_S3, norm_scale: float, eps: float) -> dict:
   """Leaf index → orthogonalised leaf; one shard_map per group of same-layout [B, M, K] views."""
-  groups = {}
-  for i, v in views.items():
-    groups.setdefault((v.mesh, v.axes, v.shape[1:], mu_hats[i].dtype), []).append(i)
   out = {}
-  for members in groups.values():
-    v0 = views[members[0]]
+  for group in group_views(views, {i: x.dtype for i, x in mu_hats.items()}):
+    members, v0 = group.members, group.view
 
-    def body(*xs_BMK, v0=v0):
-      return tuple(_orthogonalize_group(list(xs_BMK), v0, coeffs_S3, norm_scale, eps))
+    def body(*xs_BMK, group=group):
+      return tuple(_orthogonalize_group(list(xs_BMK), group, coeffs_S3, norm_scale, eps))
 
     xs_BMK = [mu_hats[i].transpose(views[i].perm).reshape(views[i].shape) for i in members]
     if v0.mesh is None:
@@ -210,7 +261,7 @@ def _orthogonalize_all(mu_hats: dict, views: dict, coeffs_S3, norm_scale: float,
       specs = tuple(views[i].spec() for i in members)
       # all_gather over the replica axes makes the output equal on every copy, but shard_map's
       # replication check can't infer that through it (jax has no public invariant all_gather).
-      check = not _copy_axes(v0)
+      check = group.copies == 1
       ys_BMK = jax.shard_map(body, mesh=v0.mesh, in_specs=specs, out_specs=specs, check_vma=check)(*xs_BMK)
     for i, y_BMK in zip(members, ys_BMK, strict=True):
       perm = views[i].perm
@@ -279,7 +330,7 @@ def sharded_muon(
     mu_new, mu_hat = {}, {}
     for i, m in zip(handled, jax.tree.leaves(state.mu), strict=True):
       mu_new[i], mu_hat[i] = _momentum(grads[i], m, count, beta, nesterov)
-    views = {i: _view(grads[i].shape, dns[i], find_where(paths[i])) for i in handled}
+    views = {i: matrix_view(grads[i].shape, dns[i], find_where(paths[i])) for i in handled}
     ortho = _orthogonalize_all(mu_hat, views, coeffs_S3, norm_scale, eps)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     out = list(grads)

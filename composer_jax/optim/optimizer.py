@@ -10,6 +10,8 @@ stacked experts to Adam and embeddings to Muon — notes/muon.md §1):
   experts [E, in, out] → MDN(1, 2), dense matrices → MDN(0, 1);
 - leaves that `model.trainable_mask` marks False (the router bias, moved by its own balancing rule)
   → `optax.set_to_zero`, hence no update and no weight decay.
+AdamW decays the leaves with two or more axes besides `layers` (embedding, LM head, router), not the
+norms: in the stacked layout a norm is [L, D], so ndim would not tell them apart.
 """
 
 from __future__ import annotations
@@ -63,6 +65,19 @@ def labels(model_cfg: model.ModelConfig) -> Any:
   return jax.tree.map(label, axes, trainable, is_leaf=_is_axes)
 
 
+def decay_mask(model_cfg: model.ModelConfig) -> Any:
+  """Params-shaped tree: True where AdamW's weight decay applies (see the module doc)."""
+  return jax.tree.map(
+    lambda ax: sum(a != "layers" for a in ax) >= 2, model.logical_axes(model_cfg), is_leaf=_is_axes
+  )
+
+
+def _path_lookup(tree: Any) -> Any:
+  """A mask function for optax: the value of `tree` at each leaf path of the (masked) params."""
+  table = {path: v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: table[path], params)
+
+
 def _is_dn(x: Any) -> bool:
   return isinstance(x, MuonDimensionNumbers)
 
@@ -109,7 +124,7 @@ def muon_branch(
 
 def abstract_params(model_cfg: model.ModelConfig) -> Any:
   """The model's parameters as ShapeDtypeStructs (no memory, no compute)."""
-  return jax.eval_shape(lambda: model.init(model_cfg, jax.random.key(0)))
+  return model.abstract_params(model_cfg)
 
 
 def build_optimizer(
@@ -130,7 +145,7 @@ def build_optimizer(
     b2=cfg.adam_b2,
     eps=cfg.adam_eps,
     weight_decay=cfg.weight_decay,
-    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),  # decay embeddings/head/router, not norms
+    mask=_path_lookup(decay_mask(model_cfg)),  # embeddings, head, router; not norms
   )
   branches = labels(model_cfg)
   if cfg.matrix_optimizer == "adamw":

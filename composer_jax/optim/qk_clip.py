@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.model.transformer import stacks
 
 
 def clip_factors(max_logit_LH: jax.Array, tau: float) -> jax.Array:
@@ -25,31 +26,28 @@ def clip_factors(max_logit_LH: jax.Array, tau: float) -> jax.Array:
 
 
 def qk_clip(params: dict, max_logit_LH: jax.Array, cfg: ModelConfig, tau: float) -> dict:
-  """New params with every layer's query and key-nope weights rescaled per head (see module doc)."""
+  """New params with every layer's query and key-nope weights rescaled per head (see module doc).
+
+  `max_logit_LH` has one row per decoder layer in order; each stack (`model.stacks`) takes its rows
+  and scales its stacked q [L, in, H, K] and kv_b [L, C, H, N+V] leaves in one broadcast.
+  """
   gamma_LH = clip_factors(max_logit_LH, tau)
   root_LH = jnp.sqrt(gamma_LH)
-  N = cfg.qk_nope_head_dim
-  new_layers = dict(params["layers"])
-  for name in sorted(params["layers"], key=int):
-    layer, i = params["layers"][name], int(name)
-    # Per (head, column) factor: √γ on the nope columns, γ on the rope columns of the query.
-    q_scale_HK = jnp.concatenate(
-      [
-        jnp.broadcast_to(root_LH[i][:, None], (cfg.n_heads, N)),
-        jnp.broadcast_to(gamma_LH[i][:, None], (cfg.n_heads, cfg.qk_rope_head_dim)),
-      ],
-      axis=-1,
+  H, N = cfg.n_heads, cfg.qk_nope_head_dim
+  out, start = dict(params), 0
+  for name, n in stacks(cfg):
+    gamma, root = gamma_LH[start : start + n, :, None], root_LH[start : start + n, :, None]
+    # Per (layer, head, column) factor: √γ on the nope columns, γ on the rope columns of the query.
+    q_scale_LHK = jnp.concatenate(
+      [jnp.broadcast_to(root, (n, H, N)), jnp.broadcast_to(gamma, (n, H, cfg.qk_rope_head_dim))], axis=-1
     )
-    kv_scale_HK = jnp.concatenate(
-      [
-        jnp.broadcast_to(root_LH[i][:, None], (cfg.n_heads, N)),
-        jnp.ones((cfg.n_heads, cfg.v_head_dim), jnp.float32),
-      ],
-      axis=-1,
+    kv_scale_LHK = jnp.concatenate(
+      [jnp.broadcast_to(root, (n, H, N)), jnp.ones((n, H, cfg.v_head_dim), jnp.float32)], axis=-1
     )
-    attn = dict(layer["attn"])
+    attn = dict(params[name]["attn"])
     q_name = "q_b_proj" if "q_b_proj" in attn else "q_proj"
-    attn[q_name] = (attn[q_name] * q_scale_HK[None]).astype(attn[q_name].dtype)
-    attn["kv_b_proj"] = (attn["kv_b_proj"] * kv_scale_HK[None]).astype(attn["kv_b_proj"].dtype)
-    new_layers[name] = {**layer, "attn": attn}
-  return {**params, "layers": new_layers}
+    attn[q_name] = (attn[q_name] * q_scale_LHK[:, None]).astype(attn[q_name].dtype)
+    attn["kv_b_proj"] = (attn["kv_b_proj"] * kv_scale_LHK[:, None]).astype(attn["kv_b_proj"].dtype)
+    out[name] = {**params[name], "attn": attn}
+    start += n
+  return out

@@ -46,6 +46,7 @@ def fit(
   *,
   writer: metrics_lib.MetricsWriter | None = None,
   save: Callable[[TrainState, bool], None] | None = None,
+  check: Callable[[], None] | None = None,
   rules: feedback.FeedbackRules | None = None,
   evaluate: Callable[[Any], dict[str, float]] | None = None,
 ) -> tuple[TrainState, dict]:
@@ -84,6 +85,7 @@ def fit(
     describe=_describe,
     evaluate=None if evaluate is None or rcfg.eval_every <= 0 else _prefixed(evaluate),
     save=None if save is None else lambda st, step, final: save(st, final),
+    check=check,
     writer=writer,
     tolerate_failures=True,
     sync=True,

@@ -120,6 +120,7 @@ def fit(
   seed: int = 0,
   writer: metrics_lib.MetricsWriter | None = None,
   save: Callable[[TrainState, bool], None] | None = None,
+  check: Callable[[], None] | None = None,
 ) -> tuple[TrainState, dict]:
   """Trains from `state.step` to `scfg.steps` on random batches of `demos` (the batch of step s is a pure
   function of (seed, s), so a resumed run sees the same data): `batch_size` rows, each one demo, or with
@@ -140,6 +141,7 @@ def fit(
       f"loss {r['loss']:.4f} gnorm {r['grad_norm']:.3f} lr {r['lr']:.2e} step {r['step_s']:.2f}s"
     ),
     save=None if save is None else lambda st, step, final: save(st, final),
+    check=check,
     writer=writer,
   )
   state, r = loop.fit(

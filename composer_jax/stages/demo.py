@@ -30,7 +30,10 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   logging.info("[demo] meshes: %s", sharding.describe(meshes))
 
   t0 = time.perf_counter()
-  params = jax.block_until_ready(model.init(cfg, jax.random.key(config.seed), meshes))
+  if config.init_from:
+    params = jax.block_until_ready(model.load_hf_checkpoint(config.init_from, cfg, meshes))
+  else:
+    params = jax.block_until_ready(model.init(cfg, jax.random.key(config.seed), meshes))
   logging.info("[demo] init: %.1fs", time.perf_counter() - t0)
   logging.info("[demo] parameters:\n%s", param_table(params, model.logical_axes(cfg)))
 
@@ -136,11 +139,19 @@ def _lines(r: dict) -> list[str]:
   return [f"  forward loss {r['loss']:.3f} vs uniform {r['uniform_loss']:.3f}"]
 
 
+def _check(config: Config) -> None:
+  from composer_jax import configs
+
+  configs.check_meshes(config)
+  configs.check_batch("demo.batch / demo.prompt_len", config.demo.batch, config.demo.prompt_len, config)
+
+
 STAGE = Stage(
   name="demo",
   run=run,
+  check=_check,
   doc="build the sharded model on both meshes, print the parameter table, one forward pass, greedy decoding",
-  depends=("seed", "model", "mesh", "demo"),
+  depends=("seed", "model", "mesh", "demo", "init_from"),
   outputs=("demo.json",),
   summarize=_summarize,
   lines=_lines,

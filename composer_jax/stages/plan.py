@@ -11,7 +11,7 @@ from composer_jax.stages.record import Stage
 def run(config: Config, workdir: str) -> dict[str, Any]:
   from composer_jax import plan  # host arithmetic over abstract shapes
 
-  return plan.run_stage(config, workdir)
+  return plan.run(config, workdir)
 
 
 STAGE = Stage(

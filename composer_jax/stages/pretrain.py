@@ -19,6 +19,7 @@ from absl import logging
 
 from composer_jax import configs, optim, sharding
 from composer_jax.configs import Config
+from composer_jax.stages import outputs
 from composer_jax.stages.record import Interrupted, Stage
 
 
@@ -26,7 +27,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   """Trains `config.train.steps` steps (resuming from the newest checkpoint); returns the summary."""
   from composer_jax import train
   from composer_jax.data import corpus, tokenizer  # tfds: imported only by the stages that read data
-  from composer_jax.train import checkpoint, metrics
+  from composer_jax.train import metrics
   from composer_jax.train import pretrain as pt
 
   cfg, tcfg, d = config.model, config.train, config.data
@@ -35,31 +36,20 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   logging.info("[pretrain] meshes: %s", sharding.describe(meshes))
   splits = corpus.build_corpus(str(pathlib.Path(workdir, "tfds")), src_dir=d.src_dir, max_files=d.max_files)
   tok = tokenizer.load(d.tokenizer)
-  if tok.vocab_size > cfg.vocab_size:
-    raise configs.ConfigError(
-      f"tokenizer {d.tokenizer!r} has {tok.vocab_size} ids but model.vocab_size is {cfg.vocab_size}; "
-      "raise --config.model.vocab_size or pick a smaller tokenizer."
-    )
 
   tx = optim.build_optimizer(cfg, ocfg, meshes)
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
+  state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes, initial_params(config, meshes))
   record = configs.record(
     model=dataclasses.replace(cfg, remat="none"),  # how to compute, not what: free to change on resume
-    optim=ocfg,
+    optim=configs.identity(ocfg),  # the schedule's horizon is not part of it: `train.steps` may grow
     data=d,
     batch=dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len),
     seed=config.seed,
   )
-  ckpt = checkpoint.Checkpointer(pathlib.Path(workdir, "checkpoints"), record, keep=tcfg.keep_checkpoints)
   shape = dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len)
   train_iter = corpus.batches(splits["train"], tok, **shape, seed=config.seed)
-  if ckpt.latest_step() is not None:
-    state, data_state = ckpt.restore(state)
-    train_iter.set_state(data_state)
-    logging.info("[pretrain] resumed from %s/%d", ckpt.directory, int(state.step))
   eval_iter = corpus.batches(splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1)
   eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes)
-
   train_step = pt.make_train_step(
     cfg, tx, optim.lr_schedule(ocfg), train.state.state_shardings(state), meshes,
     router_bias_rate=tcfg.router_bias_rate, grad_accum=tcfg.grad_accum, qk_clip_tau=ocfg.qk_clip_tau,
@@ -67,24 +57,47 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   eval_step = pt.make_eval_step(cfg, train.state.state_shardings(state).params, meshes)
   n_active = pt.active_params(cfg)
   logging.info("[pretrain] %s active params/token, %dx%d tokens/step", f"{n_active:,}", *shape.values())
-  writer = metrics.MetricsWriter(pathlib.Path(workdir, "metrics"))
-  if not writer.has_tensorboard:
-    logging.info("[pretrain] tensorboardX not installed: metrics go to metrics.jsonl only")
-  try:
+  notes = {"total_steps": ocfg.total_steps}
+  ckpt_dir, metrics_dir = pathlib.Path(workdir, "checkpoints"), pathlib.Path(workdir, "metrics")
+  with outputs.opened(ckpt_dir, record, tcfg.keep_checkpoints, metrics_dir, notes) as out:
+    state, data_state = outputs.resume(out, state, "pretrain", ocfg)
+    if data_state is not None:
+      train_iter.set_state(data_state)
     state, summary = pt.fit(
-      state, train_step, eval_step, train_iter, eval_batches, tcfg, meshes=meshes, writer=writer,
-      save=lambda st, data_state, final: ckpt.save(st, data_state, force=final),
+      state, train_step, eval_step, train_iter, eval_batches, tcfg, meshes=meshes, writer=out.writer,
+      save=lambda st, data_state, final: out.ckpt.save(st, data_state, force=final), check=out.check,
       flops_per_token=metrics.flops_per_token(n_active),
     )  # fmt: skip
-  finally:
-    ckpt.close()
-    writer.close()
   if summary["interrupted"]:
     raise Interrupted(f"pretrain stopped at step {summary['steps']} and saved its checkpoint")
-  summary["checkpoints"] = ckpt.all_steps()
+  summary |= _whole_run(metrics_dir / "metrics.jsonl")
+  summary["checkpoints"] = out.ckpt.all_steps()
   pathlib.Path(workdir, "pretrain.json").write_text(json.dumps(summary, indent=1))
   logging.info("[pretrain] %s", _line(summary))
   return summary
+
+
+def initial_params(config: Config, meshes: sharding.Meshes | None) -> Any:
+  """The `init_from` checkpoint's weights on `meshes` (None: a fresh init). Read only when there is no
+  checkpoint of this run to resume, but cheap to skip: the arrays are memory-mapped until placed."""
+  if not config.init_from:
+    return None
+  from composer_jax import model
+
+  logging.info("[pretrain] starting from the Hugging Face checkpoint %s", config.init_from)
+  return model.load_hf_checkpoint(config.init_from, config.model, meshes)
+
+
+def _whole_run(jsonl: pathlib.Path) -> dict:
+  """First and last losses of the whole run from its metrics file (also after a resume or an extension)."""
+  from composer_jax.train import metrics
+
+  out = {}
+  for key, name in (("loss", "train"), ("validation_loss", "validation")):
+    h = metrics.read_history(jsonl, key)
+    if h:
+      out[f"first_{name}_loss"], out[f"last_{name}_loss"] = h[0][key], h[-1][key]
+  return out
 
 
 def _f(x: float | None, digits: int = 4) -> str:
@@ -116,11 +129,35 @@ def _lines(r: dict) -> list[str]:
   ]
 
 
+def _check(config: Config) -> None:
+  from composer_jax.data import corpus, tokenizer
+
+  t = config.train
+  configs.check_meshes(config)
+  configs.check_batch("train.batch_size / train.seq_len", t.batch_size, t.seq_len, config, t.grad_accum)
+  if t.grad_accum < 1:
+    raise configs.ConfigError(f"train.grad_accum must be >= 1, got {t.grad_accum}")
+  name = config.data.tokenizer
+  path = pathlib.Path(name)
+  if name not in ("byte", "bpe") and not path.is_file() and not (path / "tokenizer.json").is_file():
+    raise configs.ConfigError(
+      f"data.tokenizer {name!r}: use 'byte', 'bpe', a tokenizers json file or a directory with tokenizer.json"
+    )
+  vocab = tokenizer.load(name).vocab_size
+  if vocab > config.model.vocab_size:
+    raise configs.ConfigError(
+      f"tokenizer {name!r} has {vocab} ids but model.vocab_size is {config.model.vocab_size}; "
+      "raise --config.model.vocab_size or pick a smaller tokenizer"
+    )
+  corpus.check_splits(config.data.src_dir, config.data.max_files)
+
+
 STAGE = Stage(
   name="pretrain",
   run=run,
+  check=_check,
   doc="next-token training on the stdlib corpus, sharded Muon + AdamW, checkpoints and metrics",
-  depends=("seed", "model", "train", "optim", "data"),
+  depends=("seed", "model", "train", "optim", "data", "init_from"),
   outputs=("checkpoints", "metrics", "pretrain.json"),
   summarize=_summarize,
   lines=_lines,

@@ -38,11 +38,15 @@ class Stage:
   run: Callable[[Config, str], dict[str, Any]]  # (config, workdir) → JSON-able summary
   doc: str  # one line for listings
   depends: tuple[str, ...]  # config paths (dotted) whose values the result depends on
+  # Cheap checks of the config this stage reads, run for every selected stage before any stage starts:
+  # a ConfigError (one line) instead of a failure minutes into the run.
+  check: Callable[[Config], None] = lambda config: None
   outputs: tuple[str, ...] = ()  # what it writes under the workdir, moved aside when it starts over
   upstream: Callable[[Config], tuple[str, ...]] = lambda config: ()  # finished stages it reads
   summarize: Callable[[dict, pathlib.Path], dict] = scalars  # summary → the report's numbers and paths
   lines: Callable[[dict], list[str]] = key_values  # the report's numbers → printed lines
   resume_on_change: bool = False  # a changed config continues in place (its checkpointer refuses what it
   # cannot continue, naming the field) instead of starting over
+  extends: tuple[str, ...] = ()  # config paths whose change continues in place (more steps, other cadence)
   always_run: bool = False  # never skipped (cheap, and the printed output is the point)
   force_only: tuple[str, ...] = ()  # caches moved aside only by --config.force

@@ -56,7 +56,9 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
   ocfg = rl_optimizer(config, rcfg)
   tx = step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, None), rcfg)  # "ema": teacher in opt state
   state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
-  record = configs.record(model=cfg, optim=ocfg, rl=rcfg, seed=config.seed)
+  record = configs.record(
+    model=cfg, optim=configs.identity(ocfg), rl=configs.identity(rcfg), seed=config.seed
+  )
   make_envs = factories.factory(rcfg, workdir, pathlib.Path(workdir, f"{name}_episodes"))
   schedule = optim.lr_schedule(ocfg)
   steps = {fb: step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
@@ -64,8 +66,9 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
   if rcfg.env in factories.MAKE_ONE and rcfg.eval_every > 0:
     evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
   metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
-  with outputs.opened(pathlib.Path(workdir, name), record, rcfg.keep_checkpoints, metrics_dir) as out:
-    state = _start(state, out.ckpt, tx, workdir, cfg, name)
+  notes = {"total_steps": ocfg.total_steps}
+  with outputs.opened(pathlib.Path(workdir, name), record, rcfg.keep_checkpoints, metrics_dir, notes) as out:
+    state = _start(state, out, tx, workdir, cfg, name, ocfg)
     logging.info(
       "[%s] env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s (%s, %s form, %s "
       "teacher, %s tokens, %s hint)",
@@ -112,13 +115,12 @@ def eval_history(path: pathlib.Path) -> list[dict]:
   ]
 
 
-def _start(state: Any, ckpt: Any, tx: Any, workdir: str, cfg: Any, name: str) -> Any:
-  """The arm's own newest checkpoint, else the SFT params with a fresh optimizer state."""
+def _start(state: Any, out: outputs.Outputs, tx: Any, workdir: str, cfg: Any, name: str, ocfg: Any) -> Any:
+  """The arm's own newest good checkpoint, else the SFT params with a fresh optimizer state."""
   from composer_jax import train
 
-  if ckpt.latest_step() is not None:
-    state, _ = ckpt.restore(state)
-    logging.info("[%s] resumed from %s/%d", name, ckpt.directory, int(state.step))
+  state, resumed = outputs.resume(out, state, name, ocfg)
+  if resumed is not None:
     return state
   params = sft.load_params(workdir, cfg)
   if params is None:
@@ -234,13 +236,36 @@ def _lines(r: dict) -> list[str]:
   return lines
 
 
+def _check(config: Config) -> None:
+  from composer_jax.rl import objectives, step
+  from composer_jax.rl.envs import factories
+
+  sft.STAGE.check(config)  # the same small model
+  r = config.rl
+  problems = []
+  if r.env not in factories.FACTORIES:
+    problems.append(f"rl.env {r.env!r}: known {', '.join(factories.FACTORIES)}")
+  if r.objective not in objectives.OBJECTIVES:
+    problems.append(f"rl.objective {r.objective!r}: known {', '.join(objectives.OBJECTIVES)}")
+  if r.advantage not in objectives.ADVANTAGES:
+    problems.append(f"rl.advantage {r.advantage!r}: known {', '.join(objectives.ADVANTAGES)}")
+  try:
+    step.check_config(r)
+  except ValueError as e:
+    problems.append(f"rl: {e}")
+  if problems:
+    raise configs.ConfigError("; ".join(problems))
+
+
 STAGE = Stage(
   name="rl",
   run=run,
+  check=_check,
   doc="multi-turn RL with targeted text feedback from the SFT checkpoint (and the same run without)",
   depends=("seed", "model", "optim", "rl"),
   outputs=("rl", "rl_metrics", "rl_episodes", "rl_nofb", "rl_nofb_metrics", "rl_nofb_episodes", "rl.json"),
   upstream=lambda config: ("sft", "synth") if config.rl.env == "coding" else ("sft",),
+  extends=tuple(f"rl.{k}" for k in configs.CADENCE),
   summarize=_summarize,
   lines=_lines,
 )

@@ -40,12 +40,12 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   ocfg = sft_optimizer(config)
   tx = optim.build_optimizer(cfg, ocfg, None)
   state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
-  record = configs.record(model=cfg, optim=ocfg, sft=scfg, seed=config.seed)
-  metrics_dir = pathlib.Path(workdir, "sft_metrics")
-  with outputs.opened(pathlib.Path(workdir, "sft"), record, scfg.keep_checkpoints, metrics_dir) as out:
-    if out.ckpt.latest_step() is not None:
-      state, _ = out.ckpt.restore(state)
-      logging.info("[sft] resumed from %s/%d", out.ckpt.directory, int(state.step))
+  record = configs.record(
+    model=cfg, optim=configs.identity(ocfg), sft=configs.identity(scfg), seed=config.seed
+  )
+  metrics_dir, notes = pathlib.Path(workdir, "sft_metrics"), {"total_steps": ocfg.total_steps}
+  with outputs.opened(pathlib.Path(workdir, "sft"), record, scfg.keep_checkpoints, metrics_dir, notes) as out:
+    state, _ = outputs.resume(out, state, "sft", ocfg)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     logging.info(
       "[sft] %s params, one device (meshes None), %d steps x %d demos",
@@ -55,7 +55,9 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     )
     demos = factories.demonstrations(config.rl, scfg, config.seed)
     step = sft.make_sft_step(cfg, tx, optim.lr_schedule(ocfg), router_bias_rate=scfg.router_bias_rate)
-    state, summary = sft.fit(state, step, demos, scfg, seed=config.seed, writer=out.writer, save=out.save)
+    state, summary = sft.fit(
+      state, step, demos, scfg, seed=config.seed, writer=out.writer, save=out.save, check=out.check
+    )
   if summary["interrupted"]:
     raise Interrupted(f"sft stopped at step {summary['steps']} and saved its checkpoint")
   summary.pop("losses")
@@ -92,7 +94,7 @@ def load_params(workdir: str, cfg: ModelConfig) -> Any | None:
     return None
   if meta["config"].get("model") != configs.record(model=cfg)["model"]:
     raise checkpoint.CheckpointError(f"{d}/{step} holds a different model than config.rl.model; rerun sft.")
-  ocfg = configs.from_dict(configs.OptimizerConfig, meta["config"]["optim"])
+  ocfg = configs.optimizer_for(configs.from_dict(configs.OptimizerConfig, meta["config"]["optim"]), 2)
   template = train.create_state(cfg, optim.build_optimizer(cfg, ocfg, None), jax.random.key(0), None)
   ck = checkpoint.Checkpointer(d, meta["config"], keep=100)
   try:
@@ -124,11 +126,25 @@ def _lines(r: dict) -> list[str]:
   ]
 
 
+def _check(config: Config) -> None:
+  if config.init_from:
+    raise configs.ConfigError(
+      "init_from starts demo and pretrain from a checkpoint; the sft and rl stages train the small "
+      "byte-level chat model (rl.model): run them in a run without init_from"
+    )
+  try:
+    configs.rl_model(config)
+  except ValueError as e:
+    raise configs.ConfigError(f"rl.model: {e}") from None
+
+
 STAGE = Stage(
   name="sft",
   run=run,
+  check=_check,
   doc="SFT warm-up of the small one-device RL model on toy tool-use demonstrations",
   depends=("seed", "model", "optim", "sft", "rl.model") + tuple(f"rl.{k}" for k in _ROLLOUT_FIELDS),
+  extends=tuple(f"sft.{k}" for k in configs.CADENCE),
   outputs=("sft", "sft_metrics", "sft.json"),
   summarize=_summarize,
   lines=_lines,

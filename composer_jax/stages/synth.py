@@ -60,9 +60,24 @@ def _lines(r: dict) -> list[str]:
   return [f"  {r['tasks']} tasks built of {r['candidates']} candidates tried ({per}); tasks {r['tasks_dir']}"]
 
 
+def _check(config: Config) -> None:
+  from composer_jax.configs import ConfigError
+  from composer_jax.synth import build
+
+  s = config.synth
+  if s.mode not in ("stub", "remove"):
+    raise ConfigError(f"synth.mode {s.mode!r}: use 'stub' or 'remove'")
+  try:
+    for item in build.resolve_sources(s.sources, s.local_dir):
+      build._as_source(item)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
 STAGE = Stage(
   name="synth",
   run=run,
+  check=_check,
   doc="feature-deletion coding tasks from pinned PyPI sdists in a bubblewrap sandbox",
   depends=("synth",),
   outputs=("synth_tasks", "synth.json"),

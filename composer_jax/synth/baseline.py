@@ -1,25 +1,28 @@
 """Run a source's pytest suite in the sandbox and keep the tests that pass in every one of N runs.
 
-Per-test outcomes come from JUnit XML (`-o junit_family=xunit1`, which records each test's file), never
-from stdout or the exit code: a test that is missing from the report counts as not passed (SWE-bench
-semantics, notes/synth.md §2). The sandbox sees the source venv read-only and one scratch copy of the
-tree writable; `PYTHONPATH` puts that copy ahead of the venv's editable finder, so the suite exercises the
-copy (deleted or not), never the pristine tree.
+Per-test outcomes come from the grader's runner (`runner.py`), which reports pytest's own node ids and
+phase outcomes through a pipe held by this process: never from stdout, the exit code or a report file in
+the task dir. A test missing from the reports counts as not passed (SWE-bench semantics). The sandbox
+sees the source venv read-only and one scratch copy of the tree; the runner appends the copy's import
+roots to `sys.path` (after the stdlib and site-packages, where the venv's editable finder points at a path
+the sandbox does not contain), so the suite exercises the copy, never the pristine tree.
 """
 
 import dataclasses
+import functools
+import json
 import os
 import pathlib
 import shutil
 import tempfile
-import uuid
-import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
 from composer_jax.synth import sandbox
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
-PYTEST_ARGS = ("-p", "no:cacheprovider", "-o", "junit_family=xunit1", "-rA", "--tb=short", "--color=no", "-q")
+PYTEST_ARGS = ("-p", "no:cacheprovider", "--tb=short", "--color=no", "-q")  # the coverage run's
+RUNNER = pathlib.Path(__file__).with_name("runner.py")
+GRADER_DIR = "/.grader"
 _COPY_IGNORE = shutil.ignore_patterns(
   ".git", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".coverage*", "htmlcov"
 )
@@ -29,7 +32,8 @@ _COPY_IGNORE = shutil.ignore_patterns(
 class SuiteRun:
   outcomes: dict[str, str]  # node id -> passed | failed | skipped
   result: sandbox.SandboxResult
-  report_found: bool  # False: no JUnit file (crash, `os._exit`, timeout)
+  report_found: bool  # False: the runner never reported its end (crash, `os._exit`, timeout)
+  collect_errors: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,52 +61,71 @@ def copy_tree(src: str | os.PathLike, dest: str | os.PathLike) -> pathlib.Path:
   return pathlib.Path(dest)
 
 
-def parse_junit(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, str]:
-  """Node id -> outcome from an xunit1 JUnit file. Failure or error anywhere (setup/call/teardown) wins.
-
-  `root`: the directory pytest ran in, to place tests whose function is defined in another file."""
-  outcomes: dict[str, str] = {}
-  for case in ET.parse(path).getroot().iter("testcase"):
-    nodeid = _nodeid(case.get("file"), case.get("classname", ""), case.get("name", ""), root)
-    tags = {child.tag for child in case}
-    if tags & {"failure", "error"}:
-      outcome = FAILED
-    elif "skipped" in tags:
-      outcome = SKIPPED
-    else:
-      outcome = PASSED
-    if outcomes.get(nodeid) != FAILED:
-      outcomes[nodeid] = outcome
-  return outcomes
+def runner_cmd(venv: str | os.PathLike) -> list[str]:
+  """The grader's runner under the venv's interpreter, isolated (`-I`) and without bytecode (`-B`)."""
+  return [python(venv), "-I", "-B", f"{GRADER_DIR}/runner.py", f"{GRADER_DIR}/ctl/spec.json"]
 
 
-def _nodeid(file: str | None, classname: str, name: str, root: str | os.PathLike | None = None) -> str:
-  """`tests/test_m.py::TestC::test_x[1]` from xunit1's file + dotted classname + name.
+@functools.cache
+def venv_plugins(venv: str) -> tuple[str, ...]:
+  """Modules of the pytest plugins installed in the venv (`pytest11` entry points), for explicit `-p`."""
+  found = []
+  for ep in pathlib.Path(venv).glob("lib/python*/site-packages/*.dist-info/entry_points.txt"):
+    section = ""
+    for line in ep.read_text(encoding="utf-8", errors="replace").splitlines():
+      line = line.strip()
+      if line.startswith("["):
+        section = line.strip("[]").strip()
+      elif section == "pytest11" and "=" in line:
+        found.append(line.split("=", 1)[1].split(":")[0].strip())
+  return tuple(sorted(set(found)))
 
-  xunit1's `file` is where the test *function* is defined: for a method inherited from a mixin in another
-  module (cachetools' `tests/__init__.py` CacheTestMixin) it is not the collecting module, and every
-  subclass's test would collapse into one id that pytest cannot select. Then the collecting module is the
-  longest dotted prefix of `classname` that is a `.py` file under `root` (without `root`: the parts before
-  the first capitalised one).
-  """
-  if not file:  # collection errors carry no file; keep them distinguishable from real tests
-    return f"{classname}::{name}" if classname else name
-  module = file[:-3].replace("/", ".") if file.endswith(".py") else file
-  if classname == module or classname.startswith(module + "."):
-    rest = classname[len(module) :].lstrip(".")
-    return "::".join([file, *(rest.split(".") if rest else []), name])
-  parts = classname.split(".") if classname else []
-  k = None
-  if root is not None:
-    k = next(
-      (i for i in range(len(parts), 0, -1) if pathlib.Path(root, *parts[:i]).with_suffix(".py").is_file()),
-      None,
-    )
-  if k is None:
-    k = next((i for i, p in enumerate(parts) if p[:1].isupper()), None)
-  if not k:
-    return "::".join([file, name])
-  return "::".join(["/".join(parts[:k]) + ".py", *parts[k:], name])
+
+def parse_channel(data: bytes, limit: int = 1_000_000) -> list[dict]:
+  """The runner's JSON lines (anything else, e.g. bytes written by the code under test, is dropped)."""
+  out = []
+  for line in data.split(b"\n")[:limit]:
+    try:
+      rec = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(rec, dict) and isinstance(rec.get("t"), str):
+      out.append(rec)
+  return out
+
+
+def outcomes(records: Sequence[dict]) -> dict[str, str]:
+  """Node id -> passed | failed | skipped from the phase reports; a failure in any phase wins."""
+  out: dict[str, str] = {}
+  for r in records:
+    if r.get("t") != "rep" or not isinstance(r.get("id"), str):
+      continue
+    nodeid, outcome = r["id"], r.get("outcome")
+    if outcome == "failed":
+      out[nodeid] = FAILED
+    elif outcome == "skipped" and out.get(nodeid) != FAILED:
+      out[nodeid] = SKIPPED
+    elif outcome == "passed" and r.get("when") == "call" and nodeid not in out:
+      out[nodeid] = PASSED
+  return out
+
+
+def run_runner(
+  box: sandbox.Sandbox,
+  venv: str | os.PathLike,
+  task_dir: str | os.PathLike,
+  spec: dict,
+  **overrides,
+) -> tuple[sandbox.SandboxResult, list[dict]]:
+  """One run of `runner.py` with `spec` (roots and plugins filled in); (result, channel records)."""
+  spec = {"roots": [f"{box.workdir}/src", box.workdir], "plugins": list(venv_plugins(str(venv))), **spec}
+  with tempfile.TemporaryDirectory(prefix="runner-") as ctl:
+    os.chmod(ctl, 0o755)
+    pathlib.Path(ctl, "spec.json").write_text(json.dumps(spec))
+    os.chmod(pathlib.Path(ctl, "spec.json"), 0o644)
+    binds = {str(RUNNER): f"{GRADER_DIR}/runner.py", ctl: f"{GRADER_DIR}/ctl"}
+    result = box.run(runner_cmd(venv), task_dir, binds=binds, channel=True, **overrides)
+  return result, parse_channel(result.channel)
 
 
 def run_suite(
@@ -112,22 +135,11 @@ def run_suite(
   tests: Sequence[str] = (),
   extra_args: Sequence[str] = (),
 ) -> SuiteRun:
-  """One pytest run over `tests` (all when empty) in `task_dir`; the report goes to a fresh random name."""
-  report_dir = pathlib.Path(task_dir, f".junit-{uuid.uuid4().hex}")
-  report_dir.mkdir()
-  report = report_dir / "report.xml"
-  workdir_report = f"{box.workdir}/{report_dir.name}/report.xml"
-  cmd = [python(venv), "-m", "pytest", *PYTEST_ARGS, f"--junitxml={workdir_report}", *extra_args, *tests]
-  try:
-    result = box.run(cmd, task_dir)
-    found = report.is_file()
-    try:
-      outcomes = parse_junit(report, task_dir) if found else {}
-    except ET.ParseError:
-      found, outcomes = False, {}
-  finally:
-    shutil.rmtree(report_dir, ignore_errors=True)
-  return SuiteRun(outcomes, result, found)
+  """One pytest run over `tests` (all when empty) in `task_dir`; outcomes from the runner's channel."""
+  result, records = run_runner(box, venv, task_dir, {"mode": "pytest", "args": [*extra_args, *tests]})
+  errors = tuple(r["id"] for r in records if r["t"] == "cerr" and isinstance(r.get("id"), str))
+  found = any(r["t"] == "end" for r in records)
+  return SuiteRun(outcomes(records), result, found, errors)
 
 
 def run_baseline(

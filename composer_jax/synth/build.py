@@ -14,13 +14,15 @@ their content is not pinned).
 
 import collections
 import dataclasses
-import functools
 import json
+import math
 import os
 import pathlib
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
+
+from absl import logging
 
 from composer_jax.synth import sources, tasks
 
@@ -110,7 +112,7 @@ def build(
   done_dir: str | os.PathLike | None = None,
 ) -> dict:
   """Build tasks for each of `items` (Source or local dir), write the dataset, return the summary."""
-  log = log or functools.partial(print, flush=True)
+  log = log or logging.info
   workdir = pathlib.Path(workdir)
   srcs = [_as_source(item) for item in items]  # bad local paths fail before any work
   cache = workdir / "synth_sources"
@@ -198,15 +200,19 @@ def _build_source(src_obj, cache, row, built, mode, max_tasks, runs, timeout_s, 
     return
   row.setup_seconds = time.perf_counter() - t0
   log(f"[synth] {src_obj.name} {src_obj.version}: source + venv ready ({row.setup_seconds:.1f}s)")
-  last = [time.perf_counter()]
+  last, first_done = [time.perf_counter()], []
 
   def progress(i: int, n: int, name: str, status: str) -> None:
     now = time.perf_counter()
     row.candidates, row.total_candidates = i + 1, n
     row.valid = sum(1 for t in built if t.source.get("name") == src_obj.name)
     note = " (incl. baseline + coverage)" if i == 0 else ""
+    first_done.append(now)
+    left = _candidates_left(i, n, row.valid, max_tasks)
+    per = (now - first_done[0]) / max(len(first_done) - 1, 1) if len(first_done) > 1 else now - last[0]
+    eta = f", eta {_mmss(left * per)}" if left else ""
     log(f"[synth] {src_obj.name} {i + 1}/{n} {name}: {'valid' if status == 'ok' else status} "
-        f"{now - last[0]:.1f}s{note}")  # fmt: skip
+        f"{now - last[0]:.1f}s{note}{eta}")  # fmt: skip
     last[0] = now
 
   try:
@@ -231,6 +237,23 @@ def _build_source(src_obj, cache, row, built, mode, max_tasks, runs, timeout_s, 
     row.valid = sum(1 for t in built if t.source.get("name") == src_obj.name)
     row.rejected = dict(sorted(row_rej.items()))
     row.seconds = time.perf_counter() - t0
+
+
+def _candidates_left(i: int, n: int, valid: int, max_tasks: int | None) -> int:
+  """Candidates still to try after the (i+1)-th of n: all of them, or (with `max_tasks`) as many as the
+  yield so far says it takes to reach the cap."""
+  left = n - i - 1
+  if max_tasks is None:
+    return left
+  need = max(max_tasks - valid, 0)
+  if need == 0:
+    return 0
+  return min(left, math.ceil(need * (i + 1) / valid)) if valid else left
+
+
+def _mmss(seconds: float) -> str:
+  s = max(int(seconds), 0)
+  return f"{s // 60}:{s % 60:02d}"
 
 
 def table(rows: Sequence[SourceSummary]) -> str:

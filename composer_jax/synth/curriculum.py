@@ -1,6 +1,6 @@
 """Online per-task pass rates of the current policy, and which tasks to train on next.
 
-Why (notes/synth.md §2.8): a GRPO-style group whose rollouts all pass or all fail has zero advantage and
+Why: a GRPO-style group whose rollouts all pass or all fail has zero advantage and
 teaches nothing (DAPO dynamic sampling; 2504.03380: intermediate-accuracy batches learn most). So the
 pool keeps tasks with 0 < p < 1, retires the solved and the hopeless, and prefers the harder of the rest.
 

@@ -97,14 +97,15 @@ def delete_function(source_text: str, qualname: str, mode: str = "stub") -> str:
 # ---- package-level analysis --------------------------------------------------------------------------
 
 
-def _py_files(src_dir: pathlib.Path) -> dict[str, str]:
+def py_files(src_dir: pathlib.Path, errors: str = "strict") -> dict[str, str]:
+  """Every `.py` file outside VCS/venv/build dirs: rel path -> text."""
   out = {}
   for dirpath, dirnames, filenames in os.walk(src_dir):
     dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
     for f in sorted(filenames):
       if f.endswith(".py"):
         p = pathlib.Path(dirpath, f)
-        out[p.relative_to(src_dir).as_posix()] = p.read_text(encoding="utf-8")
+        out[p.relative_to(src_dir).as_posix()] = p.read_text(encoding="utf-8", errors=errors)
   return out
 
 
@@ -210,7 +211,7 @@ def delete_feature(
   rel, module, inner = _locate(src_dir, qualname)
   if len(inner.split(".")) > 2:
     raise DeletionRejected(f"{qualname!r}: nested definitions are not features")
-  files = _py_files(src_dir)
+  files = py_files(src_dir)
   roots = ["src"] if rel.startswith("src/") else [""]
   files = {r: t for r, t in files.items() if references.module_name(r, roots) is not None}
   text = files[rel]

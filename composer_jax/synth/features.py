@@ -4,7 +4,8 @@
 executed line with the test that ran it; lines run outside any test (import, collection) get the empty
 context. A function is a candidate when its body (after the docstring) is executed by ≥1 test and never
 under the empty context: toolz's three import-time functions were exactly its three invalid stubs
-(notes/synth.md §7). A feature is the candidate plus the private helpers only it uses
+(observed when building tasks from
+toolz). A feature is the candidate plus the private helpers only it uses
 (`deletion.private_helpers`); helpers that belong to another candidate's feature are not offered alone.
 """
 
@@ -17,9 +18,9 @@ import subprocess
 import tempfile
 import uuid
 
-from composer_jax.synth import baseline, deletion, monitor, sandbox
+from composer_jax.synth import baseline, deletion, monitor, sandbox, sources
 
-PIP_TIMEOUT_S = 600
+PIP_TIMEOUT_S = sources.PIP_TIMEOUT_S
 _NOT_LIBRARY = {
   "docs",
   "doc",
@@ -51,15 +52,7 @@ def ensure_coverage(venv: str | os.PathLike, pip_args: tuple[str, ...] = ()) -> 
   py = baseline.python(venv)
   if subprocess.run([py, "-c", "import coverage"], capture_output=True, check=False).returncode == 0:
     return
-  proc = subprocess.run(
-    [py, "-m", "pip", "--disable-pip-version-check", "install", *pip_args, "coverage"],
-    capture_output=True,
-    text=True,
-    timeout=PIP_TIMEOUT_S,
-    check=False,
-  )
-  if proc.returncode != 0:
-    raise RuntimeError(f"pip install coverage failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+  sources.pip(py, "install", *pip_args, "coverage")
 
 
 def is_library_file(rel: str) -> bool:
@@ -71,14 +64,7 @@ def is_library_file(rel: str) -> bool:
 
 def py_files(src_dir: pathlib.Path) -> dict[str, str]:
   """Every `.py` file outside VCS/venv/build dirs: rel path -> text (what `private_helpers` scans)."""
-  out = {}
-  for dirpath, dirnames, filenames in os.walk(src_dir):
-    dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
-    for f in sorted(filenames):
-      if f.endswith(".py"):
-        p = pathlib.Path(dirpath, f)
-        out[p.relative_to(src_dir).as_posix()] = p.read_text(encoding="utf-8", errors="replace")
-  return out
+  return deletion.py_files(src_dir, errors="replace")
 
 
 def module_name(rel: str) -> str:
@@ -151,7 +137,7 @@ def select(
   max_test_fraction: float = 0.5,
 ) -> list[Feature]:
   """Candidates in file and line order. `max_test_fraction` drops functions most of the suite runs
-  (their deletion would leave no P2P); notes/synth.md uses 0.2 on large suites."""
+  (their deletion would leave no P2P); 0.2 suits large suites."""
   src_dir = pathlib.Path(src_dir)
   files = py_files(src_dir)
   all_tests = set().union(*(c for lines in contexts.values() for c in lines.values())) - {""}

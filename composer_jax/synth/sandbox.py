@@ -1,54 +1,49 @@
-"""Run untrusted (model-written) code under bubblewrap: no network, read-only system, one writable dir.
+"""Run untrusted (model-written) code under bubblewrap: no network, read-only system, one task dir.
 
-Why each layer (measured facts in notes/synth.md §5):
-- bubblewrap namespaces hide the host FS, env, processes and network (~+4 ms per process start).
+Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md):
+- bubblewrap namespaces hide the host FS, env, processes and network (~+4 ms per process start); the
+  command line is built in `bwrap.py`. `/tmp` is a size-capped tmpfs, and with `copy_in` so is the task
+  dir (the host tree is bound read-only and copied in): a run cannot fill the host disk or leave files
+  the grader later reads.
 - As root, bwrap keeps every capability unless told otherwise, and `RLIMIT_NPROC` is ignored for uid 0.
   So when the caller is root we skip the user namespace, keep only SETUID/SETGID/SETPCAP, and `setpriv`
   inside drops to a throw-away unprivileged uid with an empty bounding set: CapEff = CapBnd = 0 and the
-  process limit bites. A non-root caller gets `--unshare-all --cap-drop ALL` (its own uid; the process
-  limit then counts all of that user's processes).
+  process limit bites. A seccomp filter (`seccomp.py`) forbids new namespaces inside, user ones included.
 - rlimits are set by `prlimit` (not `preexec_fn`: the RL process runs JAX threads, and `preexec_fn` is
-  unsafe with threads); the wall-clock timeout SIGKILLs the process group, and the PID namespace plus
+  unsafe with threads). The whole tree is bounded by a cgroup where one can be made (`cgroups.py`: CPU
+  seconds, memory, process count; the process joins it before it runs anything), else by the fallback
+  stated by `limits_statement()`. The wall-clock limit SIGKILLs the process group; the PID namespace plus
   `--die-with-parent` take every descendant down with bwrap.
-- There is no fallback: without bwrap, `SandboxUnavailable` — never silent unsandboxed execution.
+- stdout and stderr are pipes read into bounded buffers (nothing is spooled to the host disk). With
+  `channel=True` the command also gets the write end of a pipe (its number in `$COMPOSER_CHANNEL_FD`):
+  the test runner reports results there, never through a file the sandboxed code could replace.
+- There is no fallback to unsandboxed execution: without bwrap, `SandboxUnavailable`.
 """
 
 import dataclasses
 import itertools
 import os
-import pathlib
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from composer_jax.synth import cgroups, seccomp
+from composer_jax.synth.bwrap import SRC_DIR, bwrap_args, default_env, venv_paths  # noqa: F401 (API)
+
 WORKDIR = "/task"
 MAX_OUTPUT_BYTES = 1 << 20
+CHANNEL_ENV = "COMPOSER_CHANNEL_FD"
 INSTALL_HINT = (
   "bubblewrap (`bwrap`) is required to run untrusted code and was not found on PATH. Install it: "
   "`sudo apt-get install -y bubblewrap` (Debian/Ubuntu; `bash .ci/setup` does this as root), "
   "`dnf install bubblewrap` (Fedora). Refusing to run unsandboxed."
 )
-# System paths bound read-only when present; symlinks (merged /usr) are recreated as symlinks.
-_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# Enough of /etc for the dynamic linker, locale/time, name lookup and TLS roots; nothing else.
-_ETC_PATHS = (
-  "/etc/alternatives",
-  "/etc/ld.so.cache",
-  "/etc/ld.so.conf",
-  "/etc/ld.so.conf.d",
-  "/etc/localtime",
-  "/etc/nsswitch.conf",
-  "/etc/passwd",
-  "/etc/group",
-  "/etc/ssl",
-  "/etc/ca-certificates",
-)
 _UID_BASE = 200_000  # throw-away uids, one per run, so concurrent runs do not share a process budget
 _uid_counter = itertools.count()
+_POLL_S = 0.05
 
 
 class SandboxUnavailable(RuntimeError):
@@ -62,113 +57,29 @@ class SandboxResult:
   stderr: str
   timed_out: bool
   wall_s: float
-  truncated: bool = False  # stdout or stderr exceeded MAX_OUTPUT_BYTES; the text says where
-
-
-def _which(name: str) -> str | None:
-  return shutil.which(name)
+  truncated: bool = False  # stdout or stderr exceeded the cap; the text says where
+  cpu_s: float = 0.0  # CPU seconds of the whole tree (cgroup counter, else wait4 of the reaped tree)
+  limit: str = ""  # "" | "time" | "cpu" | "memory" | "pids": the tree limit that ended or marked the run
+  channel: bytes = b""  # what the command wrote to the result channel (channel=True)
 
 
 def available() -> bool:
   """True when bwrap and prlimit are on PATH (tests skip the sandbox checks otherwise)."""
-  return _which("bwrap") is not None and _which("prlimit") is not None
+  return shutil.which("bwrap") is not None and shutil.which("prlimit") is not None
 
 
-def venv_paths(venv: str | os.PathLike) -> tuple[str, ...]:
-  """A venv plus the base interpreter prefix its `bin/python` symlinks into (from `pyvenv.cfg`)."""
-  venv = pathlib.Path(venv).resolve()
-  paths = [str(venv)]
-  cfg = venv / "pyvenv.cfg"
-  if cfg.is_file():
-    for line in cfg.read_text().splitlines():
-      key, _, value = line.partition("=")
-      if key.strip() == "home" and value.strip():
-        paths.append(str(pathlib.Path(value.strip()).resolve().parent))
-  # The interpreter binary may live elsewhere still (e.g. a symlink chain); bind its prefix too.
-  python = venv / "bin" / "python"
-  if python.exists():
-    paths.append(str(python.resolve().parent.parent))
-  return tuple(dict.fromkeys(p for p in paths if p not in ("/", "/usr")))
-
-
-def bwrap_args(
-  *,
-  task_dir: str,
-  workdir: str,
-  readonly_paths: Sequence[str],
-  env: Mapping[str, str],
-  drop_to_uid: int | None,
-) -> list[str]:
-  """The bwrap command line (pure: decided from its arguments and what exists on disk)."""
-  args = ["--perms", "1777", "--tmpfs", "/tmp"]  # first: later mounts shadow earlier ones
-  binds = [("--ro-bind", p) for p in _SYSTEM_PATHS if os.path.isdir(p) and not os.path.islink(p)]
-  binds += [("--ro-bind", p) for p in _ETC_PATHS if os.path.exists(p)]
-  binds += [("--ro-bind", p) for p in sorted(readonly_paths)]
-  dests = [p for _, p in binds] + [workdir]
-  # bwrap creates missing parents 0700, unreadable for the unprivileged uid: make them 0755 first.
-  made: set[str] = set()
-  for dest in dests:
-    for parent in reversed(pathlib.PurePosixPath(dest).parents[:-1]):
-      name = str(parent)
-      if name not in made and not any(name == d or name.startswith(d + "/") for d in dests):
-        args += ["--perms", "0755", "--dir", name]
-        made.add(name)
-  for path in _SYSTEM_PATHS:
-    if os.path.islink(path):
-      args += ["--symlink", os.readlink(path), path]
-  for flag, path in binds:
-    args += [flag, path, path]
-  args += ["--bind", task_dir, workdir, "--chdir", workdir, "--proc", "/proc", "--dev", "/dev"]
-  args += ["--die-with-parent", "--new-session", "--clearenv"]
-  if drop_to_uid is None:
-    args += ["--unshare-all", "--cap-drop", "ALL"]
-  else:
-    # Real root, no user namespace: keep only what setpriv needs to become an unprivileged uid (and the
-    # search right bwrap needs to chdir into a 0700 task dir); setpriv drops them all before exec.
-    args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    args += ["--cap-drop", "ALL"]
-    for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH"):
-      args += ["--cap-add", cap]
-  for key, value in env.items():
-    args += ["--setenv", key, value]
-  if drop_to_uid is not None:
-    args += ["--", "setpriv", f"--reuid={drop_to_uid}", f"--regid={drop_to_uid}", "--clear-groups"]
-    args += ["--bounding-set=-all", "--inh-caps=-all", "--no-new-privs"]
-  return args + ["--"]
-
-
-def default_env(readonly_paths: Sequence[str], extra: Mapping[str, str] | None) -> dict[str, str]:
-  """Minimal environment: the bound prefixes' bin dirs first on PATH, bytecode off, home on the tmpfs."""
-  bins = [f"{p}/bin" for p in readonly_paths if os.path.isdir(f"{p}/bin")]
-  env = {
-    "PATH": ":".join([*bins, "/usr/local/bin", "/usr/bin", "/bin"]),
-    "HOME": "/tmp",
-    "TMPDIR": "/tmp",
-    "LANG": "C.UTF-8",
-    "PYTHONDONTWRITEBYTECODE": "1",
-  }
-  env.update(extra or {})
-  return env
+def limits_statement() -> str:
+  """One line: what bounds a whole process tree on this machine (cgroup v2, v1, or the fallback)."""
+  b = cgroups.backend()
+  seccomp_note = "" if seccomp.supported() else f"; no seccomp filter for {seccomp.machine()}"
+  return f"sandbox tree limits: {b.note}{seccomp_note}"
 
 
 def _rlimit_args(cpu_s: int, memory_bytes: int, file_bytes: int, max_procs: int) -> list[str]:
-  return [
-    f"--cpu={cpu_s}:{cpu_s + 1}",
-    f"--as={memory_bytes}",
-    f"--fsize={file_bytes}",
+  return [f"--cpu={cpu_s}:{cpu_s + 1}", f"--as={memory_bytes}", f"--fsize={file_bytes}"] + [
     f"--nproc={max_procs}",
     "--core=0",
   ]
-
-
-def _read_bounded(f, limit: int) -> tuple[str, bool]:
-  f.seek(0, os.SEEK_END)
-  size = f.tell()
-  f.seek(0)
-  data = f.read(limit).decode("utf-8", errors="replace")
-  if size > limit:
-    return data + f"\n[sandbox: output truncated, {size - limit} of {size} bytes dropped]\n", True
-  return data, False
 
 
 def _chown_tree(root: str, uid: int, gid: int) -> None:
@@ -177,6 +88,75 @@ def _chown_tree(root: str, uid: int, gid: int) -> None:
   for dirpath, dirnames, filenames in os.walk(root):
     for name in dirnames + filenames:
       os.lchown(os.path.join(dirpath, name), uid, gid)
+
+
+class _Drain(threading.Thread):
+  """Reads a pipe to EOF, keeping the first `limit` bytes and counting the rest."""
+
+  def __init__(self, f, limit: int):
+    super().__init__(daemon=True)
+    self.f, self.limit, self.parts, self.kept, self.total = f, limit, [], 0, 0
+    self.start()
+
+  def run(self) -> None:
+    try:
+      while chunk := os.read(self.f.fileno(), 1 << 16):
+        self.total += len(chunk)
+        if self.kept < self.limit:
+          self.parts.append(chunk[: self.limit - self.kept])
+          self.kept += len(self.parts[-1])
+    except OSError:
+      pass
+    finally:
+      self.f.close()
+
+  def data(self) -> bytes:
+    return b"".join(self.parts)
+
+  def text(self) -> tuple[str, bool]:
+    out = self.data().decode("utf-8", errors="replace")
+    if self.total > self.kept:
+      out += f"\n[sandbox: output truncated, {self.total - self.kept} of {self.total} bytes dropped]\n"
+      return out, True
+    return out, False
+
+
+@dataclasses.dataclass
+class _Watch:
+  killed_for: str = ""
+  done: bool = False
+  event: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def _watch(proc, group, tree, deadline: float, lim, state: _Watch, lock: threading.Lock) -> None:
+  """Kill the tree at the wall-clock deadline or once its CPU seconds (cgroup counter, else `tree`'s
+  /proc sample) exceed the budget; without a cgroup also once its resident memory does."""
+  while True:
+    left = deadline - time.monotonic()
+    if state.event.wait(max(0.0, min(_POLL_S, left))):
+      return
+    why = "time" if time.monotonic() >= deadline else ""
+    if not why and group is not None and group.cpu_seconds() > lim.cpu_s:
+      why = "cpu"
+    if not why and tree is not None:
+      cpu, rss = tree.sample()
+      why = "cpu" if cpu > lim.cpu_s else "memory" if rss > lim.memory_bytes else ""
+    if why:
+      with lock:
+        if state.done:
+          return
+        state.killed_for = why
+        _kill(proc.pid, group)
+        return
+
+
+def _kill(pgid: int, group) -> None:
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  if group is not None:
+    group.kill()
 
 
 def run(
@@ -192,14 +172,25 @@ def run(
   max_procs: int = 256,
   workdir: str = WORKDIR,
   max_output_bytes: int = MAX_OUTPUT_BYTES,
+  copy_in: bool = False,
+  task_bytes: int = 256 << 20,
+  tmp_bytes: int = 256 << 20,
+  binds: Mapping[str, str] | None = None,
+  channel: bool = False,
+  max_channel_bytes: int = 64 << 20,
+  tree_limits: bool = True,
 ) -> SandboxResult:
-  """Run `cmd` with `task_dir` (mounted at `workdir`) as the only writable host path.
+  """Run `cmd` in the sandbox with `task_dir` at `workdir` (read-write, or copied into a tmpfs).
 
   `readonly_paths` are bound at their own paths (pass `venv_paths(venv)` so `python -m pytest` works).
-  `cpu_s` defaults to the wall-clock budget. Raises `SandboxUnavailable` when bwrap is missing.
+  `cpu_s` (CPU seconds for the whole tree; per process without a cgroup) defaults to the wall-clock
+  budget. `memory_bytes` caps each process's address space and, with a cgroup, the tree's memory.
+  `tree_limits=False` skips the whole-tree meter (cgroup or /proc polling; a v1 cgroup costs tens of ms
+  per run in migrations): for fixed commands on the agent's files (`cat`, `find`), never for its code.
+  Raises `SandboxUnavailable` when bwrap is missing.
   """
-  bwrap, prlimit = _which("bwrap"), _which("prlimit")
-  if bwrap is None:
+  bwrap_bin, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
+  if bwrap_bin is None:
     raise SandboxUnavailable(INSTALL_HINT)
   if prlimit is None:
     raise SandboxUnavailable("`prlimit` (util-linux) is required to set resource limits; install util-linux.")
@@ -208,70 +199,171 @@ def run(
     raise FileNotFoundError(task_dir)
   ro = [os.path.realpath(p) for p in readonly_paths]
   cpu_s = int(cpu_s if cpu_s is not None else max(1, int(timeout_s) + 1))
-  drop_to_uid = None
+  drop_to_uid, owner = None, None
   if os.geteuid() == 0:
     drop_to_uid = _UID_BASE + (os.getpid() % 1000) * 1000 + next(_uid_counter) % 1000
-    owner = os.stat(task_dir)
+    owner = os.stat(task_dir)  # lent to the throw-away uid for the run (copy_in: so it can read it all)
     _chown_tree(task_dir, drop_to_uid, drop_to_uid)
-  argv = [prlimit, *_rlimit_args(cpu_s, memory_bytes, file_bytes, max_procs), "--", bwrap]
-  argv += bwrap_args(
-    task_dir=task_dir, workdir=workdir, readonly_paths=ro, env=default_env(ro, env), drop_to_uid=drop_to_uid
+  spec = _Spec(task_dir, workdir, ro, dict(env or {}), drop_to_uid, binds, copy_in, task_bytes, tmp_bytes)
+  limits = _Limits(
+    timeout_s, cpu_s, memory_bytes, file_bytes, max_procs, max_output_bytes, max_channel_bytes, tree_limits
   )
-  argv += list(cmd)
+  try:
+    return _execute(cmd, spec, limits, prlimit, bwrap_bin, channel)
+  finally:
+    if owner is not None:
+      _chown_tree(task_dir, owner.st_uid, owner.st_gid)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  task_dir: str
+  workdir: str
+  ro: list
+  env: dict
+  drop_to_uid: int | None
+  binds: Mapping[str, str] | None
+  copy_in: bool
+  task_bytes: int
+  tmp_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+  timeout_s: float
+  cpu_s: int
+  memory_bytes: int
+  file_bytes: int
+  max_procs: int
+  max_output_bytes: int
+  max_channel_bytes: int
+  tree: bool = True  # meter the whole tree (cgroup, else /proc)
+
+
+def _argv(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, env: dict, seccomp_fd) -> list[str]:
+  argv = [prlimit, *_rlimit_args(lim.cpu_s, lim.memory_bytes, lim.file_bytes, lim.max_procs), "--", bwrap_bin]
+  argv += bwrap_args(
+    task_dir=spec.task_dir,
+    workdir=spec.workdir,
+    readonly_paths=spec.ro,
+    env=default_env(spec.ro, env),
+    drop_to_uid=spec.drop_to_uid,
+    binds=spec.binds,
+    copy_in=spec.copy_in,
+    task_bytes=spec.task_bytes,
+    tmp_bytes=spec.tmp_bytes,
+    seccomp_fd=seccomp_fd,
+  )
+  if spec.copy_in:
+    argv += ["/bin/sh", "-c", f'cp -R {SRC_DIR}/. {spec.workdir}/ && exec "$@"', "sh"]
+  return argv + list(cmd)
+
+
+def _close(*fds) -> None:
+  for fd in fds:
+    if fd is not None:
+      os.close(fd)
+
+
+def _execute(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, channel: bool) -> SandboxResult:
+  """Pipes and seccomp fd, the cgroup gate, Popen, drains, wait; every fd is closed exactly once."""
+  seccomp_r = chan_r = chan_w = None
+  env = dict(spec.env)
+  if seccomp.supported():
+    seccomp_r, w = os.pipe()
+    os.write(w, seccomp.program())
+    os.close(w)
+  if channel:
+    chan_r, chan_w = os.pipe()
+    env[CHANNEL_ENV] = str(chan_w)
+  argv = _argv(cmd, spec, lim, prlimit, bwrap_bin, env, seccomp_r)
+  b = cgroups.backend()
+  group = (
+    cgroups.Group(b, memory_bytes=lim.memory_bytes, max_procs=lim.max_procs) if b.kind != "none" else None
+  )
+  if group is not None:  # held at a gate until it is in the cgroup: nothing it forks can escape
+    argv = ["/bin/sh", "-c", 'read _ ; exec "$@" </dev/null', "sh", *argv]
   start = time.perf_counter()
   try:
-    # Output goes to files (not pipes) so a flood cannot grow this process; RLIMIT_FSIZE caps them.
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-      proc = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={}, start_new_session=True
-      )
-      timed_out = _wait(proc, timeout_s)
-      returncode = proc.returncode
-      wall_s = time.perf_counter() - start
-      stdout, t1 = _read_bounded(out, max_output_bytes)
-      stderr, t2 = _read_bounded(err, max_output_bytes)
+    proc = subprocess.Popen(
+      argv,
+      stdin=subprocess.PIPE if group is not None else subprocess.DEVNULL,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      env={},
+      start_new_session=True,
+      pass_fds=tuple(fd for fd in (seccomp_r, chan_w) if fd is not None),
+    )
+  except BaseException:
+    _close(chan_r)
+    if group is not None:
+      group.close()
+    raise
   finally:
-    if drop_to_uid is not None:
-      _chown_tree(task_dir, owner.st_uid, owner.st_gid)
-  return SandboxResult(returncode, stdout, stderr, timed_out, wall_s, t1 or t2)
+    _close(seccomp_r, chan_w)
+  drains = [_Drain(proc.stdout, lim.max_output_bytes), _Drain(proc.stderr, lim.max_output_bytes)]
+  if chan_r is not None:
+    drains.append(_Drain(os.fdopen(chan_r, "rb", buffering=0), lim.max_channel_bytes))
+  try:
+    state, rusage, tree = _wait(proc, group, lim)
+  finally:
+    if group is not None:
+      group.kill()
+  for d in drains:
+    d.join(timeout=2.0)
+  wall_s = time.perf_counter() - start
+  return _result(proc, group, tree, state, rusage, drains, wall_s, lim.cpu_s)
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
-  """Block until exit, SIGKILLing the group at the deadline; True if it was killed for time.
+def _result(proc, group, tree, state, rusage, drains, wall_s: float, cpu_s: int) -> SandboxResult:
+  tree_cpu, hit = rusage.ru_utime + rusage.ru_stime, ""
+  if group is not None:
+    tree_cpu = max(tree_cpu, group.cpu_seconds())
+    hit = group.hit()
+    group.close()
+  elif tree is not None:
+    tree_cpu = max(tree_cpu, tree.peak_cpu)
+  over = tree_cpu > cpu_s or proc.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
+  limit = state.killed_for or hit or ("cpu" if over else "")
+  stdout, t1 = drains[0].text()
+  stderr, t2 = drains[1].text()
+  channel = drains[2].data() if len(drains) > 2 else b""
+  timed_out = state.killed_for == "time"
+  return SandboxResult(proc.returncode, stdout, stderr, timed_out, wall_s, t1 or t2, tree_cpu, limit, channel)
 
-  `Popen.wait(timeout)` polls with sleeps of up to 50 ms (measured: +60 ms per run), so a timer thread
-  kills instead. `waitid(WNOWAIT)` observes the exit without reaping, so the timer can never signal a
-  recycled process-group id.
+
+def _wait(proc: subprocess.Popen, group, lim: _Limits):
+  """Release the gate, block until exit, reap with `wait4`; (watch state, rusage, /proc meter or None).
+
+  `Popen.wait(timeout)` polls with sleeps of up to 50 ms, so a watcher thread kills instead.
+  `waitid(WNOWAIT)` observes the exit without reaping, so the watcher never signals a recycled group id.
   """
-  lock, state = threading.Lock(), {"done": False, "killed": False}
-
-  def kill():
-    with lock:
-      if not state["done"]:
-        state["killed"] = True
-        _kill_group(proc.pid)
-
-  timer = threading.Timer(timeout_s, kill)
-  timer.daemon = True
-  timer.start()
+  state, lock = _Watch(), threading.Lock()
+  if group is not None:
+    try:
+      group.add(proc.pid)
+      proc.stdin.write(b"\n")
+      proc.stdin.close()
+    except BaseException:
+      _kill(proc.pid, group)
+      raise
+  tree = cgroups.ProcTree(proc.pid) if group is None and lim.tree else None
+  deadline = time.monotonic() + lim.timeout_s
+  watcher = threading.Thread(target=_watch, args=(proc, group, tree, deadline, lim, state, lock), daemon=True)
+  watcher.start()
   try:
     os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
   except BaseException:
-    kill()  # interrupted (e.g. KeyboardInterrupt): never leave the sandbox running
+    with lock:
+      _kill(proc.pid, group)  # interrupted (e.g. KeyboardInterrupt): never leave the sandbox running
     raise
   finally:
     with lock:
-      state["done"] = True
-    timer.cancel()
-    proc.wait()
-  return state["killed"]
-
-
-def _kill_group(pgid: int) -> None:
-  try:
-    os.killpg(pgid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+      state.done = True
+      state.event.set()
+  _, status, rusage = os.wait4(proc.pid, 0)
+  proc.returncode = os.waitstatus_to_exitcode(status)
+  return state, rusage, tree
 
 
 @dataclasses.dataclass(frozen=True)

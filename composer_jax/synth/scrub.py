@@ -1,6 +1,6 @@
 """Remove what would hand the agent the deleted code, and scan what it can see for leftovers.
 
-Residues (notes/synth.md §4, each reproduced or observed there): bytecode (`marshal.loads` on a `.pyc`
+Residues (each one reproduced as a leak when this was built): bytecode (`marshal.loads` on a `.pyc`
 recovers a deleted function in ~5 lines), type-checker and test caches, build/dist copies and egg-info,
 coverage data and `htmlcov` (full source), VCS history, `.pyi` stubs, in-tree venvs holding installed
 copies. After the scrub, `.git` is recreated with one commit so the agent sees a repo with no history.

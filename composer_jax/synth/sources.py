@@ -2,8 +2,8 @@
 
 Why sdists: wheels ship without tests. Why sha256 pins: a task records exactly which code it was cut from,
 and a changed upload must not silently change the task set. Why one editable venv per source: a plain
-`pip install .` leaves pristine copies of the deleted code in `site-packages` and `build/lib`
-(notes/synth.md §4), which the agent could read.
+`pip install .` leaves pristine copies of the deleted code in `site-packages` and `build/lib`, which
+the agent could read.
 """
 
 import dataclasses
@@ -36,8 +36,8 @@ class ChecksumError(RuntimeError):
   """The downloaded archive is not the pinned one; tasks cut from it would not be reproducible."""
 
 
-# Hashes measured on 2026-12-02 with `pip download --no-binary :all: --no-deps` from PyPI; they agree with
-# the prefixes in notes/synth.md §6. A Source with sha256=None is pinned on first download (the hash is
+# Hashes measured on 2026-12-02 with `pip download --no-binary :all: --no-deps` from PyPI. A Source with
+# sha256=None is pinned on first download (the hash is
 # written next to the archive as `<archive>.sha256`) and verified against that record afterwards.
 DEFAULT_SOURCES: tuple[Source, ...] = (
   Source("toolz", "1.2.0", "9667a038e9d6ecba37995e26cb2f59ec6420b6ad8dd9677de59db9b956b08490"),
@@ -192,13 +192,20 @@ def make_venv(
   steps = [["install", *pip_args, *extras]] if extras else []  # first: build helpers (e.g. wheel) too
   steps.append(["install", *pip_args, "-e", str(src_dir)])
   for step in steps:
-    proc = subprocess.run(
-      [str(py), "-m", "pip", "--disable-pip-version-check", *step],
-      capture_output=True,
-      text=True,
-      timeout=PIP_TIMEOUT_S,
-      check=False,
-    )
-    if proc.returncode != 0:
-      raise RuntimeError(f"pip {' '.join(step)} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+    pip(py, *step)
   return py
+
+
+def pip(python: str | os.PathLike, *args: str) -> None:
+  """`python -m pip <args>` (at most PIP_TIMEOUT_S); RuntimeError with pip's stderr if it fails."""
+  cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+  run_checked(cmd, f"pip {' '.join(args)}", timeout=PIP_TIMEOUT_S)
+
+
+def run_checked(cmd: list[str], what: str, error: type[Exception] = RuntimeError, **kwargs) -> str:
+  """Run `cmd` (text, output captured) and return its stdout; `error` with `what`, the exit code and the
+  tail of stderr when it fails."""
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)
+  if proc.returncode != 0:
+    raise error(f"{what} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+  return proc.stdout

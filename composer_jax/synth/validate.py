@@ -1,4 +1,4 @@
-"""SWE-bench-style validation of one deletion (notes/synth.md §2 steps 3–6).
+"""SWE-bench-style validation of one deletion (the checks SWE-smith and FeatureBench run on a candidate).
 
 On a scratch copy with the deletion applied: the package imports and the suite collects; the suite's
 JUnit outcomes against the baseline give FAIL_TO_PASS (passed before, not now: failed, skipped or missing)
@@ -11,10 +11,9 @@ so a `Counter` of them is a yield report.
 import dataclasses
 import os
 import pathlib
-import subprocess
 import tempfile
 
-from composer_jax.synth import baseline, deletion, features, sandbox
+from composer_jax.synth import baseline, deletion, features, sandbox, sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,16 +50,8 @@ def apply_patch(root: str | os.PathLike, patch: str) -> None:
   """`git apply` a unified diff (paths a/ b/) to a plain directory; raises on a non-applying hunk."""
   if not patch:
     return
-  proc = subprocess.run(
-    ["git", "apply", "--whitespace=nowarn", "-p1", "-"],
-    cwd=root,
-    input=patch,
-    text=True,
-    capture_output=True,
-    check=False,
-  )
-  if proc.returncode != 0:
-    raise ValueError(f"patch does not apply: {proc.stderr[-1000:]}")
+  cmd = ["git", "apply", "--whitespace=nowarn", "-p1", "-"]
+  sources.run_checked(cmd, "git apply (the patch does not apply)", ValueError, input=patch, cwd=root)
 
 
 def validate(
@@ -93,8 +84,8 @@ def validate(
     if after.result.timed_out:
       return Validation(False, "timeout")
     out = after.result.stdout
-    if after.result.returncode in (2, 3, 4) or "during collection" in out or not after.report_found:
-      return Validation(False, "collection_breaks", detail=out[-500:])
+    if after.result.returncode in (2, 3, 4) or after.collect_errors or not after.report_found:
+      return Validation(False, "collection_breaks", detail=", ".join(after.collect_errors) + out[-500:])
     f2p = tuple(t for t in base.passing if after.outcomes.get(t) != baseline.PASSED)
     p2p = tuple(t for t in base.passing if after.outcomes.get(t) == baseline.PASSED)
     if not f2p:

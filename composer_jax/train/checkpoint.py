@@ -1,32 +1,49 @@
-"""Orbax checkpoints of the train state plus JSON metadata (data iterator state, config fingerprint).
+"""Orbax checkpoints of the train state plus JSON metadata (data iterator state, config fingerprint),
+verified on load, with a fallback to the previous good checkpoint.
 
-Layout: `<dir>/<step>/{state,meta}` through one async `CheckpointManager` that keeps the newest
-`keep` steps. Restores go onto the shardings of a freshly created state (an abstract tree from
-`ocp.utils.to_shape_dtype_struct`), so a resumed run continues on exactly the layout it trained on.
+Layout: `<dir>/<step>/{state,meta,checksums.process_<k>.json}` through one async `CheckpointManager` that
+keeps the newest `keep` steps. Restores go onto the shardings of a freshly created state (an abstract tree
+from `ocp.utils.to_shape_dtype_struct`), so a resumed run continues on exactly the layout it trained on.
 
-Safety: a step that already exists is never written again, and an unreadable or incompatible
-checkpoint raises (`CheckpointError`) instead of falling back to a fresh start that would later
-overwrite it.
+Safety:
+- A step that already exists is never written again.
+- Once a save is final, every process writes the size and SHA-256 of the files it owns (process k: its
+  `ocdbt.process_k`, process 0: the rest). `restore` checks them first; a checkpoint that fails the check
+  or that orbax cannot read is moved to `<dir>/corrupt/` (never deleted) and the next older one is used,
+  with one line saying so. No readable checkpoint left → `CheckpointError`, never a silent fresh start.
+- A save that fails (a full disk, a permission change) raises `CheckpointSaveError` at once — also an
+  async one, at the next `check()` — with its temporary directory removed.
+- An incompatible checkpoint (another model, optimizer or data config) raises, naming each field.
 
-Multi-process: every process calls `save` and `restore` (orbax writes and reads each process's own
-shards and writes the JSON metadata from process 0 alone), so the directory must be storage that
-every process sees (GCS, a shared file system).
+Multi-process: every process calls `save` and `restore`, so the directory must be storage that every
+process sees (GCS, a shared file system).
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
 import pathlib
+import shutil
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 from composer_jax.strict import fingerprint
 from composer_jax.train.state import TrainState
 
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
 
 class CheckpointError(RuntimeError):
-  pass
+  """A checkpoint that cannot be used: incompatible config, or none readable."""
+
+
+class CheckpointSaveError(RuntimeError):
+  """A save that failed; the run stops (what was saved before stays good)."""
 
 
 def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
@@ -38,16 +55,92 @@ def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
   return [] if saved == current else [f"{prefix[:-1]}: checkpoint {saved!r}, now {current!r}"]
 
 
+def _owned_files(step_dir: pathlib.Path, process: int) -> list[pathlib.Path]:
+  """The files of a step's items (`state/`, `meta/`) one process wrote (and so checksums). Files at the
+  step's top level are orbax's own bookkeeping, rewritten when the save commits: not checked."""
+  out = []
+  for p in sorted(step_dir.rglob("*")):
+    if not p.is_file() or p.parent == step_dir or p.name == "commit_success.txt":
+      continue
+    owner = next((int(part.rsplit("_", 1)[1]) for part in p.parts if part.startswith("ocdbt.process_")), 0)
+    if owner == process:
+      out.append(p)
+  return out
+
+
+def _digest(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def write_checksums(step_dir: pathlib.Path, process: int) -> None:
+  """`checksums.process_<k>.json`: {relative path: [size, sha256]} of the files process k owns."""
+  files = {
+    str(p.relative_to(step_dir)): [p.stat().st_size, _digest(p)] for p in _owned_files(step_dir, process)
+  }
+  tmp = step_dir / f".checksums.process_{process}.json.tmp"
+  tmp.write_text(json.dumps(files, sort_keys=True))
+  tmp.rename(step_dir / f"checksums.process_{process}.json")
+
+
+def verify_checksums(step_dir: pathlib.Path) -> str | None:
+  """None if every listed file has its recorded size and hash, else what is wrong (one line). A step
+  without any checksum file (written before checksums existed) passes unverified."""
+  for manifest in sorted(step_dir.glob("checksums.process_*.json")):
+    for rel, (size, digest) in json.loads(manifest.read_text()).items():
+      p = step_dir / rel
+      if not p.is_file():
+        return f"{rel} is missing"
+      if p.stat().st_size != size:
+        return f"{rel} has {p.stat().st_size} bytes, {size} were written"
+      if _digest(p) != digest:
+        return f"{rel} does not match its checksum"
+  return None
+
+
 class Checkpointer:
   """Save/restore of (TrainState, data state) under one directory; `record` is what must match."""
 
-  def __init__(self, directory: str | pathlib.Path, record: dict, *, keep: int = 2, async_save: bool = True):
+  def __init__(
+    self,
+    directory: str | pathlib.Path,
+    record: dict,
+    *,
+    keep: int = 2,
+    async_save: bool = True,
+    notes: dict | None = None,
+  ):
+    """`record`: what a restore must match; `notes`: kept with each save, never compared (e.g. the lr
+    schedule's horizon, which an extended run re-derives)."""
     self.directory = pathlib.Path(directory).absolute()
-    self.record, self.fingerprint = record, fingerprint(record)
+    self.record, self.fingerprint, self.notes = record, fingerprint(record), dict(notes or {})
+    self._keep, self._async = keep, async_save
+    self._manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+      max_to_keep=self._keep,
+      enable_async_checkpointing=self._async,
+      create=True,
+      cleanup_tmp_directories=True,  # what a crashed save left behind
+      async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_new_steps)
+      if self._async
+      else None,
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    return ocp.CheckpointManager(self.directory, options=options)
+
+  def _checksum_new_steps(self) -> None:
+    """Checksums of this process's files for every step directory that has none yet. Orbax calls this
+    once a save's files are complete, before it renames `<step>.orbax-checkpoint-tmp-*` to `<step>`, so
+    the manifest moves with the directory; `wait` calls it too (synchronous saves)."""
+    k = jax.process_index()
+    for d in self.directory.iterdir():
+      step = d.name.split(_TMP_MARK)[0]
+      if step.isdigit() and d.is_dir() and not (d / f"checksums.process_{k}.json").exists():
+        write_checksums(d, k)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -55,48 +148,91 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
+  def check(self) -> None:
+    """Raises CheckpointSaveError if an earlier async save failed (cheap: call it every step)."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:
+      self._failed(e)
+
+  def _remove_partial_saves(self) -> None:
+    """Deletes `<step>.orbax-checkpoint-tmp*` directories: only call it when no save is in flight."""
+    for tmp in self.directory.glob(f"*{_TMP_MARK}*"):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+  def _failed(self, e: BaseException) -> None:
+    try:  # the failed save's other writers may still be running: let them end before deleting
+      self._manager.wait_until_finished()
+    except Exception:
+      pass
+    self._remove_partial_saves()
+    reason = _root_reason(e)
+    raise CheckpointSaveError(
+      f"saving a checkpoint under {self.directory} failed ({reason}); the run stopped. Steps saved "
+      f"before are kept: {self.all_steps() or 'none'}; free space (or fix the directory) and rerun to resume."
+    ) from e
+
   def save(self, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
     """Starts an async save of `state` at its step; False (nothing written) if that step exists."""
+    self.check()
     step = int(state.step)
     if step in self._manager.all_steps():
       return False
-    meta = {
-      "step": step,
-      "data_state": data_state,
-      "fingerprint": self.fingerprint,
-      "config": self.record,
-    }
-    return self._manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-      force=force,
-    )
+    meta = {"step": step, "data_state": data_state, "fingerprint": self.fingerprint, "config": self.record}
+    meta["notes"] = self.notes
+    try:
+      saved = self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=force,
+      )
+      if not self._async and saved:
+        self._checksum_new_steps()
+    except Exception as e:
+      self._failed(e)
+    return saved
 
   def read_meta(self, step: int) -> dict:
     try:
       return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # orbax raises several types for missing/corrupt files
       raise CheckpointError(
-        f"Checkpoint {self.directory}/{step} has unreadable metadata ({type(e).__name__}: {e}). "
-        "Move it away to start fresh, or point --workdir elsewhere."
+        f"checkpoint {self.directory}/{step} has unreadable metadata ({type(e).__name__})"
       ) from e
 
   def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
-    """(state, data_state) of `step` (default latest), placed like `template`.
+    """(state, data_state) of `step`, or of the newest good checkpoint, placed like `template`.
 
-    Raises CheckpointError when the checkpoint's config differs from this run's (naming each
-    differing field) or its arrays cannot be read.
+    Without `step`, a checkpoint that fails its checksums or cannot be read is set aside and the next
+    older one is tried. Raises CheckpointError when the config differs from this run's (naming each
+    differing field) or when no checkpoint is readable.
     """
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise CheckpointError(f"No checkpoint under {self.directory}.")
-    meta = self.read_meta(step)
+    if step is not None:
+      return self._restore_step(template, step)
+    set_aside = []
+    while (latest := self.latest_step()) is not None:
+      try:
+        return self._restore_step(template, latest)
+      except _Unreadable as e:
+        set_aside.append(self._set_aside(latest, str(e)))
+    raise CheckpointError(
+      f"no readable checkpoint under {self.directory} (set aside: {', '.join(set_aside) or 'none'})"
+    )
+
+  def _restore_step(self, template: TrainState, step: int) -> tuple[TrainState, dict]:
+    problem = verify_checksums(self.directory / str(step))
+    if problem:
+      raise _Unreadable(problem)
+    try:
+      meta = self.read_meta(step)
+    except CheckpointError as e:
+      raise _Unreadable("unreadable metadata") from e
     if meta.get("fingerprint") != self.fingerprint:
       diffs = _differences(meta.get("config", {}), self.record)
       raise CheckpointError(
-        f"Checkpoint {self.directory}/{step} was written by an incompatible config:\n  "
-        + "\n  ".join(diffs or ["(fingerprints differ)"])
-        + "\nUse a new --workdir, or restore the checkpoint's settings."
+        f"checkpoint {self.directory}/{step} was written by another config: "
+        + "; ".join(diffs or ["(fingerprints differ)"])
+        + ". Use a new --workdir, or restore the checkpoint's settings."
       )
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
     try:
@@ -104,15 +240,57 @@ class Checkpointer:
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
       )
     except Exception as e:
-      raise CheckpointError(
-        f"Checkpoint {self.directory}/{step} could not be restored ({type(e).__name__}: {e}). "
-        "It may be corrupt or incomplete; move it away to start fresh."
-      ) from e
+      raise _Unreadable(f"orbax could not read it: {type(e).__name__}") from e
     return restored["state"], meta["data_state"]
+
+  def _set_aside(self, step: int, why: str) -> str:
+    """Moves a bad step to `<dir>/corrupt/<step>-<time>` (process 0) and reopens the manager."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    dest = self.directory / "corrupt" / f"{step}-{stamp}"
+    if jax.process_index() == 0:
+      dest.parent.mkdir(parents=True, exist_ok=True)
+      shutil.move(str(self.directory / str(step)), str(dest))
+    logging.warning(
+      "[checkpoint] %s/%d is unusable (%s): moved to %s; trying the previous one",
+      self.directory,
+      step,
+      why,
+      dest,
+    )
+    self._manager.close()
+    self._manager = self._open()
+    return f"{step} ({why})"
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
+    self.check()
+    self._checksum_new_steps()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending saves and closes; a failed save is reported (raised) unless the run is already
+    failing, in which case the first error stands."""
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+      self._remove_partial_saves()  # nothing is in flight now: a tmp directory left is a failed save's
+
+
+def _root_reason(e: BaseException) -> str:
+  """The OS error at the bottom of a chain of wrapped exceptions (orbax wraps tensorstore's), else the
+  last line of the outermost message."""
+  seen, cause = set(), e
+  while cause is not None and id(cause) not in seen:
+    seen.add(id(cause))
+    if isinstance(cause, OSError) and cause.strerror:
+      return cause.strerror
+    cause = cause.__cause__ or cause.__context__
+  text = str(e).strip()
+  for marker in ("No space left on device", "File too large", "Permission denied", "Read-only file system"):
+    if marker in text:
+      return marker
+  return text.splitlines()[-1][:200] if text else type(e).__name__
+
+
+class _Unreadable(Exception):
+  """A checkpoint that failed its checksums or could not be read (internal: triggers the fallback)."""

@@ -38,6 +38,7 @@ class Schedule:
   eval_every: int = 0  # 0: no evaluation (besides none at the start)
   checkpoint_every: int = 0  # 0: save only at the end
   eval_at_start: bool = True  # evaluate before the first step of a fresh run (the curve's origin)
+  max_skipped_in_a_row: int = 10  # this many non-finite steps in a row stop the run (Diverged), unsaved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Hooks:
   annotate: Callable[[dict[str, float]], dict[str, float]] | None = None  # extra fields of a logged record
   evaluate: Callable[[Any], dict[str, float]] | None = None  # state → named metrics
   save: Callable[[Any, int, bool], None] | None = None  # (state, step, final)
+  check: Callable[[], None] | None = None  # every step: raises when an async save failed
   writer: MetricsWriter | None = None
   throughput_key: str | None = None  # e.g. "tokens": logged records get `<key>_per_s` of recent steps
   tolerate_failures: bool = False  # RL: a step whose rollouts or update raise is logged and skipped
@@ -66,6 +68,10 @@ class Result:
   evals: list[dict[str, float]] = dataclasses.field(default_factory=list)  # {"step": s, **metrics}
   seconds: float = 0.0
   seconds_per_step: float | None = None  # after the first (compiling) step; evals and saves included
+
+
+class Diverged(RuntimeError):
+  """Too many non-finite steps in a row: the run stops without saving (the last checkpoint stays good)."""
 
 
 class _Stop:
@@ -112,7 +118,7 @@ class _Run:
     self.result = Result(start_step=start, steps=start)
     self.t0 = time.perf_counter()
     self.window = (self.t0, 0.0)  # (time, throughput counter) at the last progress line
-    self.counted, self.done_at = 0.0, []
+    self.counted, self.done_at, self.skipped_in_a_row = 0.0, [], 0
 
   def record(self, step: int, metrics: Any, host: dict[str, float], t_dispatch: float) -> None:
     """Reads one step's device metrics (blocking on that step) and logs/writes its record."""
@@ -121,6 +127,7 @@ class _Run:
     rec["step_s"] = now - t_dispatch
     self.done_at.append(now)
     self.result.skipped_steps += int(rec.get("skipped", 0))
+    self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec.get("skipped", 0) else 0
     if self.h.throughput_key:
       self.counted += rec.get(self.h.throughput_key, 0.0)
     log_now = _due(step, self.s.log_every, self.s.steps)
@@ -140,6 +147,7 @@ class _Run:
       logging.info(
         "[%s] step %d/%d %s%s eta %s", self.name, step, self.s.steps, self.h.describe(rec), skipped, _hms(eta)
       )
+    _check_diverged(self.skipped_in_a_row, self.s.max_skipped_in_a_row, self.name, step)
 
   def evaluate(self, step: int, state: Any) -> None:
     if self.h.evaluate is None:
@@ -168,6 +176,8 @@ def fit(
   """Trains from `state.step` to `schedule.steps`; returns (state, Result). See the module docstring."""
   start = int(state.step)  # read before any donation (see the module docstring)
   step, pending = start, None
+  if hooks.writer is not None:
+    hooks.writer.resume_from(start)  # a resumed run redoes the steps after its checkpoint: one record each
   with console.progress(schedule.steps, start, name) as bar, stop_on_signal(name) as stop:
     run = _Run(schedule, hooks, name, start, bar)
     if start == 0 and schedule.eval_at_start:
@@ -186,6 +196,8 @@ def fit(
         logging.warning("[%s] step %d failed: %s: %s", name, s, type(e).__name__, str(e)[:300])
         continue
       step = s
+      if hooks.check is not None:
+        hooks.check()
       if pending is not None:
         run.record(*pending)
       pending = (s, metrics, host, t_dispatch)
@@ -203,6 +215,14 @@ def fit(
     if hooks.save is not None:
       hooks.save(state, step, True)
     return state, run.finish()
+
+
+def _check_diverged(n: int, limit: int, name: str, step: int) -> None:
+  if limit > 0 and n >= limit:
+    raise Diverged(
+      f"[{name}] {n} non-finite steps in a row (steps {step - n + 1}-{step}): stopped without saving; "
+      "the last checkpoint is untouched. Lower the learning rate, or check the data and the checkpoint."
+    )
 
 
 def _hms(seconds: float) -> str:

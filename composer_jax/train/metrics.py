@@ -1,7 +1,11 @@
-"""Metrics: one JSON line per logged step, and TensorBoard event files when `tensorboardX` is there.
+"""Metrics: one JSON line per step, and TensorBoard event files when `tensorboardX` is there.
 
-tensorboardX writes event files without TensorFlow (it needs only protobuf); without it we write
-JSONL alone. MFU = 6·N_active·tokens/s ÷ peak FLOP/s (PaLM appendix B; attention FLOPs ignored).
+Lines are written through as they come (a killed run keeps every finished step's record). A resumed run
+calls `resume_from(step)` first: records of later steps (which the run is about to redo) are dropped from
+the JSONL, and TensorBoard is told to purge them (`purge_step`), so each step appears once.
+
+tensorboardX writes event files without TensorFlow (it needs only protobuf); without it we write JSONL
+alone. MFU = 6·N_active·tokens/s ÷ peak FLOP/s (PaLM appendix B; attention FLOPs ignored).
 """
 
 from __future__ import annotations
@@ -32,17 +36,39 @@ class MetricsWriter:
     self._jsonl, self._tb = None, None
     if self.enabled:
       self.directory.mkdir(parents=True, exist_ok=True)
-      self._jsonl = open(self.directory / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
-      self._tb = SummaryWriter(str(self.directory / "tb")) if self._tensorboard else None
+      self._open()
+
+  @property
+  def path(self) -> pathlib.Path:
+    return self.directory / "metrics.jsonl"
 
   @property
   def has_tensorboard(self) -> bool:
     """Whether TensorBoard events are written (by process 0 when this one writes nothing)."""
     return self._tensorboard
 
-  def write(self, step: int, metrics: dict[str, Any]) -> None:
-    if self._jsonl is None:
+  def resume_from(self, step: int) -> None:
+    """Drops the records of steps after `step` (a resumed run redoes them) before writing anything."""
+    if not self.enabled:
       return
+    self.close()
+    if self.path.exists():
+      kept = [line for line in self.path.read_text().splitlines() if line.strip() and _step(line) <= step]
+      tmp = self.path.with_suffix(".jsonl.tmp")
+      tmp.write_text("".join(line + "\n" for line in kept))
+      tmp.replace(self.path)
+    self._open(purge_step=step + 1)
+
+  def _open(self, purge_step: int | None = None) -> None:
+    self._jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 (line-buffered: each line lands at once)
+    if self._tensorboard:
+      self._tb = SummaryWriter(str(self.directory / "tb"), purge_step=purge_step)
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    if self._jsonl is None:
+      self._open()
     self._jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in metrics.items()}}) + "\n")
     if self._tb is not None:
       for k, v in metrics.items():
@@ -60,6 +86,14 @@ class MetricsWriter:
       self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
+    self._jsonl, self._tb = None, None
+
+
+def _step(line: str) -> int:
+  try:
+    return int(json.loads(line).get("step", -1))
+  except (ValueError, AttributeError):
+    return 1 << 62  # a torn last line (the process was killed mid-write): dropped on resume
 
 
 def flops_per_token(n_active_params: int) -> float:
@@ -68,12 +102,20 @@ def flops_per_token(n_active_params: int) -> float:
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+  """The records of a metrics file; a torn last line (a kill mid-write) is skipped."""
+  out = []
+  for line in pathlib.Path(path).read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    out.append(record)
+  return out
 
 
 def read_history(path: str | pathlib.Path, key: str) -> list[dict]:
-  """The records of a metrics JSONL that carry `key`, one per step (the newest write wins: a step redone
-  after a resume from an older checkpoint replaces the first try), in step order; [] when there is none."""
+  """The records of a metrics JSONL that carry `key`, one per step (the newest write wins), in step
+  order; [] when there is none."""
   path = pathlib.Path(path)
   if not path.exists():
     return []

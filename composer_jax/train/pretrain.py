@@ -266,6 +266,7 @@ def fit(
   meshes: sharding.Meshes | None,
   writer: metrics_lib.MetricsWriter | None = None,
   save: Callable[[TrainState, dict, bool], None] | None = None,
+  check: Callable[[], None] | None = None,
   flops_per_token: float = 0.0,
 ) -> tuple[TrainState, dict]:
   """Trains from `state.step` to `tcfg.steps` in `train.loop`; returns (state, summary).
@@ -295,10 +296,17 @@ def fit(
     if eval_batches
     else None,
     save=None if save is None else lambda st, step, final: save(st, data_state[0], final),
+    check=check,
     writer=writer,
     throughput_key="tokens",
   )
-  schedule = loop.Schedule(tcfg.steps, tcfg.log_every, tcfg.eval_every, tcfg.checkpoint_every)
+  schedule = loop.Schedule(
+    tcfg.steps,
+    tcfg.log_every,
+    tcfg.eval_every,
+    tcfg.checkpoint_every,
+    max_skipped_in_a_row=tcfg.max_skipped_in_a_row,
+  )
   state, r = loop.fit(state, train_step, schedule, hooks, name="pretrain")
   return state, _summary(r)
 

@@ -41,9 +41,15 @@ def _place(x: Any, meshes: sharding.Meshes | None) -> Any:
 
 
 def create_state(
-  cfg: model.ModelConfig, tx: optax.GradientTransformation, rng: jax.Array, meshes: sharding.Meshes | None
+  cfg: model.ModelConfig,
+  tx: optax.GradientTransformation,
+  rng: jax.Array,
+  meshes: sharding.Meshes | None,
+  params: Any = None,
 ) -> TrainState:
-  params = model.init(cfg, rng, meshes)
+  """Step 0 with fresh (`model.init`) or given params (e.g. `model.load_hf_checkpoint`'s, placed on the
+  same meshes) and a fresh optimizer state."""
+  params = model.init(cfg, rng, meshes) if params is None else params
   opt_state = jax.tree.map(lambda x: _place(x, meshes), tx.init(params))
   step = _place(jnp.zeros((), jnp.int32), meshes)
   return TrainState(step=step, params=params, opt_state=opt_state)

@@ -5,14 +5,17 @@ Tools (chat.py syntax; every one runs inside `synth.Sandbox` with the checkout m
   list_files [dir]                    files under dir (default .), .git excluded
   read_file path
   write_file path\\n<content>         creates parent dirs, replaces the file
-  run_tests [pytest args ...]         the visible tests (the feature's own tests are hidden), run in a
-                                      throw-away copy so their side effects never reach the graded diff
+  run_tests [pytest args ...]         the visible tests (the feature's own tests are hidden), run on a
+                                      copy in the sandbox's size-capped tmpfs: their side effects never
+                                      reach the graded tree, and the host copies nothing of the agent's
   submit                              end the episode
 
 The reward is `synth.grade(task, work_dir, actions=<action log>)`: F2P pass fraction, 0 on any P2P failure
-or monitor flag. Outputs are cut to `max_output_chars` (head and tail kept). The step limit is enforced
-by the driver (`envs.advance(max_turns=...)`), the wall-clock limit here; an exception anywhere (sandbox,
-grader) marks the rollout failed with reward 0 through `envs.begin/advance/finish`, never raised.
+or flag. The grader reads the working copy once (a snapshot) and runs only its library sources; nothing the
+agent writes with these tools reaches the grader's own files or processes. Outputs are cut to
+`max_output_chars` (head and tail kept). The step limit is enforced by the driver
+(`envs.advance(max_turns=...)`), the wall-clock limit here; an exception anywhere (sandbox, grader) marks
+the rollout failed with reward 0 through `envs.begin/advance/finish`, never raised.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import shutil
-import tempfile
 import time
 
 from composer_jax.rl import chat
@@ -84,9 +86,9 @@ class CodingEnv:
     self.started = time.monotonic()
     return [(chat.SYSTEM, _SYSTEM), (chat.USER, self.task.statement)]
 
-  def _run(self, cmd: list[str], where: pathlib.Path | None = None) -> str:
+  def _run(self, cmd: list[str], **kw) -> str:
     left = self.cfg.wall_clock_s - (time.monotonic() - self.started)
-    r = self.box.run(cmd, where or self.work, timeout_s=max(1.0, min(self.cfg.tool_timeout_s, left)))
+    r = self.box.run(cmd, self.work, timeout_s=max(1.0, min(self.cfg.tool_timeout_s, left)), **kw)
     out = r.stdout + (f"\n{r.stderr}" if r.stderr.strip() else "")
     if r.timed_out:
       out += f"\n[timed out after {r.wall_s:.0f}s]"
@@ -116,24 +118,22 @@ class CodingEnv:
         return Step("Error: list_files takes at most 1 argument.", False, ok=False)
       self.actions.append(monitor.Action("list_files", {"path": a[0] if a else "."}))
       cmd = ["find", a[0] if a else ".", "-path", "*/.git", "-prune", "-o", "-type", "f", "-print"]
-      return Step(self._run(cmd), False)
+      return Step(self._run(cmd, tree_limits=False), False)
     if call.name == "read_file":
       if len(a) != 1:
         return Step("Error: read_file takes 1 argument: a path.", False, ok=False)
       self.actions.append(monitor.Action("read_file", {"path": a[0]}))
-      return Step(self._run(["cat", "--", a[0]]), False)
+      return Step(self._run(["cat", "--", a[0]], tree_limits=False), False)
     if call.name == "write_file":
       if len(a) != 2:
         return Step("Error: write_file takes a path, then the content on the next lines.", False, ok=False)
       self.actions.append(monitor.Action("write_file", {"path": a[0], "content": a[1]}))
-      out = self._run([py, "-c", _WRITE, a[0], a[1]])
+      out = self._run([py, "-I", "-c", _WRITE, a[0], a[1]], tree_limits=False)  # -I: no module of /task runs
       return Step(out or f"Wrote {len(a[1])} characters to {a[0]}.", False)
     self.actions.append(monitor.Action("run_tests", {"args": " ".join(a)}))
-    # In a throw-away copy: files the tests write (state files, caches) must not enter the agent's diff,
-    # where the monitor would read them as test-surface edits.
-    with tempfile.TemporaryDirectory(dir=self.work_root, prefix="tests-") as tmp:
-      copy = baseline.copy_tree(self.work, pathlib.Path(tmp, "repo"))
-      return Step(self._run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *a], copy), False)
+    # On a copy inside the sandbox (copy_in): files the tests write (state files, caches) must not enter
+    # the graded tree, where the monitor would read them as test-surface edits.
+    return Step(self._run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *a], copy_in=True), False)
 
   def reward(self) -> float:
     if self._reward is None:

@@ -1,0 +1,232 @@
+"""The `compile` stage: the real train step compiled ahead of time for an accelerator topology, judged
+by the compiler itself (MaxText's `train_compile` is the model).
+
+  python run.py --config=experiments/composer25.py:moonlight_16b --config.stages=compile \
+      --config.compile.topology=v5p:4x4x4
+
+XLA:TPU ships in libtpu (`pip install -e .[tpu]`) and runs on a CPU host: `jax.experimental.topologies`
+describes a pod's chips without any being present, `sharding.build_meshes` lays both meshes over them,
+and `jit(step).lower(abstract state, abstract batch).compile()` returns the compiler's buffer
+assignment (`memory_analysis()`), FLOPs (`cost_analysis()`) and the optimized HLO of the sharded
+program. Nothing is allocated: the state is `ShapeDtypeStruct`s with the shardings `create_state` gives.
+
+`<workdir>/compile.json` holds the topology, devices, compile time, XLA's per-device memory
+(argument, output, alias, temp and peak = argument + temp + output − alias), the planner's prediction
+of the same fields (`Plan.xla`), the chip's HBM, whether it fits, FLOPs per device and the HLO's
+collective ops by name.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
+
+from composer_jax import configs, model, optim, sharding
+from composer_jax.plan import core, report
+from composer_jax.train import pretrain
+from composer_jax.train.state import TrainState
+
+LIBTPU_HINT = (
+  "the compile stage needs XLA:TPU from libtpu: `pip install -e '.[tpu]'` (jax[tpu] at the project's jax "
+  "version; it runs on a CPU host, no TPU needed)"
+)
+# HBM per chip by `device_kind` (Google Cloud TPU system architecture pages).
+HBM_BYTES = {
+  "TPU v4": 32 * 2**30,
+  "TPU v5": 95 * 2**30,  # v5p
+  "TPU v5 lite": 16 * 2**30,  # v5e
+  "TPU v6 lite": 32 * 2**30,  # v6e (Trillium)
+}
+# HLO collective ops counted in the optimized program; async forms count as their op.
+_COLLECTIVE = re.compile(
+  r"(?<![\w-])((?:ragged-)?all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
+)
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
+  """The abstract devices of a TPU topology name (e.g. `v5p:4x4x4`), `num_slices` slices of it."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise RuntimeError(LIBTPU_HINT)
+  # libtpu takes a host-wide lock meant for real chips; compiling needs none, and without this a second
+  # compiling process (a test run next to a stage) fails with "libtpu multi-process lockfile".
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # noqa: PLC0415  (only with libtpu)
+
+  desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, num_slices=num_slices)
+  return list(desc.devices)
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+  """{HLO collective op: count} of an optimized module's text (a loop body's ops count once)."""
+  return dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo_text)).items()))
+
+
+def abstract_train_state(cfg: model.ModelConfig, tx: Any, meshes: sharding.Meshes) -> TrainState:
+  """The state `train.create_state` builds, as ShapeDtypeStructs with the same shardings.
+
+  Optimizer leaves shaped like a parameter sit on that parameter's sharding (what `zeros_like` of a
+  sharded array gives); scalar counters are replicated on the dense mesh (`state._place`).
+  """
+  shapes = model.abstract_params(cfg)
+  where = sharding.param_shardings(model.logical_axes(cfg), shapes, meshes)
+  params = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
+  by_path = {path: (w, s.shape) for (path, w), s in zip(jax.tree_util.tree_flatten_with_path(where)[0],
+                                                          jax.tree.leaves(shapes), strict=True)}  # fmt: skip
+  rep = NamedSharding(meshes.dense, PartitionSpec())
+
+  def place(path, leaf):
+    match = [w for p, (w, shape) in by_path.items() if path[-len(p) :] == p and shape == leaf.shape]
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=match[0] if match else rep)
+
+  opt_state = jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, params))
+  return TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=rep), params=params, opt_state=opt_state)
+
+
+def _abstract_batch(fields: dict[str, tuple[tuple[int, ...], Any]], meshes: sharding.Meshes) -> dict:
+  """ShapeDtypeStructs of a batch: [B, T] fields split like tokens, [B] fields over the batch axes."""
+  rows = sharding.activation_sharding(("batch",), meshes)
+  grid = sharding.activation_sharding(("batch", "seq"), meshes)
+  return {
+    k: jax.ShapeDtypeStruct(shape, dtype, sharding=grid if len(shape) == 2 else rows)
+    for k, (shape, dtype) in fields.items()
+  }
+
+
+def lower_train_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages.Lowered:
+  """The pretraining step as the pretrain stage builds it, lowered from abstract state and batch."""
+  cfg, tcfg = config.model, config.train
+  ocfg = configs.pretrain_optimizer(config)
+  tx = optim.build_optimizer(cfg, ocfg, meshes)
+  state = abstract_train_state(cfg, tx, meshes)
+  step = pretrain.make_train_step(
+    cfg, tx, optim.lr_schedule(ocfg), jax.tree.map(lambda x: x.sharding, state), meshes,
+    router_bias_rate=tcfg.router_bias_rate, grad_accum=tcfg.grad_accum, qk_clip_tau=ocfg.qk_clip_tau,
+  )  # fmt: skip
+  shape = (tcfg.batch_size, tcfg.seq_len)
+  batch = _abstract_batch({k: (shape, np.int32) for k in ("tokens", "segment_ids", "positions")}, meshes)
+  return step.lower(state, batch)
+
+
+def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages.Lowered:
+  """The RL step (Dr.GRPO etc., no feedback branch) of the variant's model, lowered for
+  problems_per_step × group_size rollouts padded to the power of two ≥ rl.cache_len tokens."""
+  from composer_jax.rl import batch as rl_batch  # noqa: PLC0415  (the RL package is large)
+  from composer_jax.rl import step as rl_step  # noqa: PLC0415
+
+  cfg, r = config.model, config.rl
+  ocfg = configs.stage_optimizer(config.optim, r.steps, lr=r.lr, warmup=r.warmup_steps, min_lr_ratio=1.0)
+  tx = optim.build_optimizer(cfg, ocfg, meshes)
+  state = abstract_train_state(cfg, tx, meshes)
+  step = rl_step.make_rl_step(cfg, tx, optim.lr_schedule(ocfg), r, with_feedback=False)
+  rows, cols = r.problems_per_step * r.group_size, rl_batch.bucket(r.cache_len, 64)
+  grid = {k: ((rows, cols), np.int32) for k in ("tokens", "positions", "segment_ids")}
+  grid |= {k: ((rows, cols), np.float32) for k in ("loss_mask", "sampler_logprobs")}
+  per_row = {"rewards": ((rows,), np.float32), "group_ids": ((rows,), np.int32)}
+  return step.lower(state, _abstract_batch(grid | per_row, meshes))
+
+
+def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
+  """XLA's per-device memory, FLOPs and collective counts of a compiled step."""
+  mem = compiled.memory_analysis()
+  out = {
+    "argument": int(mem.argument_size_in_bytes),
+    "output": int(mem.output_size_in_bytes),
+    "alias": int(mem.alias_size_in_bytes),
+    "temp": int(mem.temp_size_in_bytes),
+  }
+  out["peak"] = out["argument"] + out["temp"] + out["output"] - out["alias"]
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list | tuple) else cost
+  return {
+    "memory": out,
+    "flops_per_device": float(cost.get("flops", 0.0)),
+    "collectives": collectives(compiled.as_text()),
+  }
+
+
+_OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def _compile(lowered: jax.stages.Lowered) -> tuple[Any, dict[str, Any] | None]:
+  """(compiled, None), or (None, {"error": ..., "temp": bytes}) when XLA gives up for lack of HBM:
+  XLA:TPU refuses a program whose temporaries exceed the chip ("RESOURCE_EXHAUSTED: Ran out of memory
+  on HBM, the total memory required for HLO temporaries (3.68T) exceeds available HBM (95.74G)")."""
+  try:
+    return lowered.compile(), None
+  except jax.errors.JaxRuntimeError as e:
+    message = str(e)
+    if "RESOURCE_EXHAUSTED" not in message:
+      raise
+    found = _OOM.search(message)
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    temp = int(float(found.group(1)) * scale[found.group(2)]) if found else None
+    return None, {"error": message.strip().splitlines()[-1][:300], "temp": temp}
+
+
+def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[str, Any]:
+  """Lowers and compiles `config.compile.step` on `devices`; the analysis next to the plan's."""
+  meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
+  lower = {"train": lower_train_step, "rl": lower_rl_step}[config.compile.step]
+  t0, cpu0 = time.perf_counter(), time.process_time()
+  compiled, failure = _compile(lower(config, meshes))
+  seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+  plan = core.make_plan(config, tpu=devices[0].platform == "tpu")
+  kind = devices[0].device_kind
+  hbm = HBM_BYTES.get(kind) or plan.hbm_bytes
+  result = {
+    "variant": config.variant,
+    "step": config.compile.step,
+    "devices": len(devices),
+    "device_kind": kind,
+  }
+  # wall time, and CPU time of all this process's threads (a loaded host stretches the wall time)
+  result |= {"compile_seconds": seconds, "compile_cpu_seconds": cpu_seconds}
+  if failure is None:
+    result |= analyse(compiled)
+    result["fits"] = result["memory"]["peak"] <= hbm if hbm else None
+  else:  # XLA's own verdict: too big for the chip; only its temporaries are known
+    result |= {"memory": {"temp": failure["temp"]}, "fits": False, "error": failure["error"]}
+  result |= {"plan": plan.xla, "hbm_bytes": hbm}
+  result["biggest_plan_terms"] = report.biggest_terms(plan)
+  if config.compile.step != "train":
+    result["plan_note"] = "the planner models the pretraining step; compare the RL step's state only"
+  return result
+
+
+def run(config: configs.Config, workdir: str) -> dict[str, Any]:
+  """The `compile` stage body: compiles for `config.compile.topology`, logs a table (also returned
+  under "report"), writes `<workdir>/compile.json` and returns it. A step that does not fit is a result
+  (`fits: false`, one line with its biggest items and the knob to turn), also when XLA refuses it."""
+  config = configs.from_config(config)
+  c = config.compile
+  if c.step not in ("train", "rl"):
+    raise ValueError(f"compile.step={c.step!r}: must be 'train' or 'rl'.")
+  devices = topology_devices(c.topology, c.num_slices)
+  result = {"topology": c.topology, "num_slices": c.num_slices} | compile_config(config, devices)
+  if "error" in result:  # XLA refused the program: only its temporaries are known
+    lines = [f"compile {config.variant} on {c.topology}: {result['error']}"]
+  else:
+    lines = [report.format_compile(result)]
+  if result["fits"] is False:
+    temp = result["memory"]["temp"] or 0
+    items = [("temp", temp)] + [tuple(t) for t in result["biggest_plan_terms"]]
+    lines.append(report.does_not_fit(result["memory"].get("peak", temp), result["hbm_bytes"], items))
+  result["report"] = "\n".join(lines)
+  logging.info("%s", result["report"])
+  if result["fits"] is False:
+    logging.warning("%s", lines[-1])
+  path = pathlib.Path(workdir)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "compile.json").write_text(json.dumps(result, indent=1))
+  return result

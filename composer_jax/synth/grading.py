@@ -1,0 +1,214 @@
+"""Grade an agent's working copy so that the reward depends only on what the graded code cannot reach.
+
+  1. One snapshot of the agent's tree (snapshot.py): regular files only, size-capped, nothing followed.
+     The monitor (second line) and the runs both use it; the tree is re-stamped after grading.
+  2. Run trees built by the grader (runtree.py): pristine task files plus only the library's `.py` files
+     of the snapshot, copied into a size-capped tmpfs in the sandbox; the interpreter starts isolated
+     (`-I`, roots appended after the stdlib, plugin autoload off; runner.py).
+  3. Results the code under test cannot forge usefully: PASS_TO_PASS (and tests that cannot be twinned)
+     in one process; each twinnable FAIL_TO_PASS test as a real and a canary twin under random names,
+     twins never in the same process (canary.py); held-out calls in a driver process with no tests and no
+     answers, compared here (heldout.py). Outcomes travel through a pipe the grader holds, never a file.
+  4. Limits a process tree cannot escape (sandbox.py: cgroup or the stated fallback, seccomp, tmpfs).
+
+Reward: the fraction of FAIL_TO_PASS tests that pass, 0 when any PASS_TO_PASS test fails or any flag is
+raised. A test missing from the results counts as failed, never as passed.
+"""
+
+import concurrent.futures
+import dataclasses
+import os
+import random
+
+from composer_jax.synth import (
+  baseline,
+  canary,
+  heldout,
+  monitor,
+  prepare,
+  records,
+  runtree,
+  sandbox,
+  snapshot,
+)
+
+BATCH_UNITS = 12  # twinned tests per process at most
+_SIGNS = (
+  ("MemoryError", "resource_limit: MemoryError (memory limit)"),
+  ("Resource temporarily unavailable", "resource_limit: process limit (fork refused)"),
+  ("BlockingIOError", "resource_limit: process limit (fork refused)"),
+  ("No space left on device", "resource_limit: disk (size-capped tmpfs full)"),
+  ("File too large", "resource_limit: file size limit"),
+  ("Read-only file system", "sandbox_denied: write to a read-only path"),
+  ("Permission denied", "sandbox_denied: permission denied"),
+  ("Network is unreachable", "sandbox_denied: network"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  role: str  # "suite" | "twins-<k>" | "heldout"
+  files: dict
+  spec: dict
+  names: dict  # generated module -> {(class, function): Twin}
+  expect: tuple = ()  # node ids the suite run must report
+
+
+def _batches(units: list, canaries: dict, rng: random.Random) -> list[list[canary.Twin]]:
+  """Processes of at most BATCH_UNITS twins each; a unit's real and canary twins in different ones."""
+  units = rng.sample(units, len(units))
+  out = []
+  for g in range(0, len(units), BATCH_UNITS):
+    group = units[g : g + BATCH_UNITS]
+    halves = (group[0::2], group[1::2])
+    for mine, theirs in (halves, halves[::-1]):
+      twins = [canary.Twin(u, "real", u_def) for u, u_def in mine]
+      twins += [canary.Twin(u, "canary", c.fn, c.extra) for u, _ in theirs if (c := canaries.get(u.key))]
+      if twins:
+        out.append(twins)
+  return out
+
+
+def jobs(task: records.Task, prep: prepare.Prepared, run_files: dict, rng: random.Random) -> list[Job]:
+  out = []
+  suite_ids = (*task.pass_to_pass, *prep.other)
+  if suite_ids:
+    out.append(Job("suite", run_files, {"mode": "pytest", "args": list(suite_ids)}, {}, suite_ids))
+  hidden = set(task.hidden_tests)
+  without_hidden = {rel: data for rel, data in run_files.items() if rel not in hidden}
+  defs = [(u, canary.def_of(u, task.test_files[u.file])) for u in prep.units]
+  for k, twins in enumerate(_batches(defs, prep.canaries, rng)):
+    files, names = prepare.twin_files(without_hidden, twins, task.test_files, rng)
+    out.append(Job(f"twins-{k}", files, {"mode": "pytest", "args": sorted(names)}, names))
+  if prep.checks is not None:
+    c = prep.checks
+    spec = {"mode": "call", "module": c.module, "qualname": c.qualname, "calls": list(c.calls), "repeat": 1}
+    out.append(Job("heldout", runtree.library_only(run_files), spec, {}))
+  return out
+
+
+def _run_flags(job: Job, r: sandbox.SandboxResult, recs: list[dict]) -> list[str]:
+  """What the grader itself saw of one run: kills, limits, refused writes, a runner that never ended."""
+  flags = []
+  if r.timed_out:
+    flags.append(f"grader: timeout ({job.role} run killed)")
+  elif r.limit:
+    flags.append(f"grader: resource_limit: {r.limit} ({job.role} run)")
+  end = next((x for x in recs if x["t"] == "end"), None)
+  if end is None and not r.timed_out and not r.limit:
+    flags.append(
+      f"grader: no_report ({job.role} run, rc {r.returncode}: ended before the runner reported its end)"
+    )
+  elif end is not None and end.get("rc") in (3, 4):  # pytest's internal/usage error, or the runner's own
+    flags.append(
+      f"grader: the {job.role} run ended abnormally (rc {end.get('rc')}: an exit or error outside any test)"
+    )
+  text = r.stdout + r.stderr
+  for sign, flag in _SIGNS:
+    if sign in text and f"grader: {flag}" not in flags:
+      flags.append(f"grader: {flag}")
+  return flags
+
+
+@dataclasses.dataclass
+class _Verdict:
+  outcomes: dict = dataclasses.field(default_factory=dict)  # original node id -> outcome
+  flags: list = dataclasses.field(default_factory=list)
+  canaries: list = dataclasses.field(default_factory=list)  # (unit key, idx) of canary cases that passed
+  reals: dict = dataclasses.field(default_factory=dict)  # (unit key, idx) -> outcome
+  heldout_recs: list = dataclasses.field(default_factory=list)
+
+
+def _collect(job: Job, r: sandbox.SandboxResult, recs: list[dict], v: _Verdict) -> None:
+  v.flags += [f for f in _run_flags(job, r, recs) if f not in v.flags]
+  if job.role == "heldout":
+    v.heldout_recs = recs
+    return
+  errors = any(x["t"] == "cerr" for x in recs)
+  if job.role == "suite":
+    got = baseline.outcomes(recs)
+    v.outcomes.update({t: got[t] for t in job.expect if t in got})
+    missing = [t for t in job.expect if t not in got]
+    if missing and not errors and any(x["t"] == "end" for x in recs):
+      v.flags.append(
+        f"grader: {len(missing)} tests missing from the results without a collection error ({missing[0]})"
+      )
+    return
+  missing = []
+  for (key, kind), cases in prepare.twin_results(recs, job.names).items():
+    for idx, (outcome, params) in cases.items():
+      if outcome == "missing":
+        missing.append(f"{key}{params}")
+      if kind == "real":
+        v.outcomes[f"{key}{params}"] = outcome
+        v.reals[(key, idx)] = outcome
+      elif outcome == baseline.PASSED:
+        v.canaries.append((key, idx))
+  if missing and not errors and any(x["t"] == "end" for x in recs):
+    v.flags.append(
+      f"grader: {len(missing)} tests missing from the results without a collection error ({missing[0]})"
+    )
+
+
+def grade(
+  task: records.Task,
+  repo_dir: str | os.PathLike,
+  *,
+  actions=(),
+  timeout_s: float = 300.0,
+  memory_bytes: int = 2 << 30,
+  max_procs: int = 64,
+  cpu_s: int | None = None,
+) -> records.Grade:
+  """Grade the agent's working copy `repo_dir` (never modified, read once). Limits are per sandboxed
+  run and whole-tree where the machine allows (sandbox.limits_statement()); `cpu_s` defaults to the
+  wall-clock budget."""
+  box = baseline.make_sandbox(
+    task.venv, timeout_s=timeout_s, memory_bytes=memory_bytes, max_procs=max_procs, cpu_s=cpu_s
+  )
+  prep = prepare.prepared(task, box)
+  base = prep.base
+  snap = snapshot.take(repo_dir, expected_sizes={rel: len(v) for rel, v in base.view.items()})
+  split = runtree.classify(base, snap, runtree.installed_names(task.venv) - set(base.packages))
+  report = monitor.check(
+    split.diff,
+    list(actions),
+    hidden_tests="\n".join(task.test_files.values()),
+    package=base.packages[0] if base.packages else None,
+    original_source=records.removed_lines(task.patch),  # the deleted code = the gold patch's added lines
+    repo_roots=(os.path.realpath(repo_dir), sandbox.WORKDIR),
+  )
+  todo = jobs(task, prep, runtree.with_overlay(base.run, split.overlay), random.Random())
+  v = _Verdict()
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    runs = list(pool.map(lambda j: prepare.run_tree(box, task.venv, j.files, j.spec), todo))
+  for job, (r, recs) in zip(todo, runs, strict=True):
+    _collect(job, r, recs, v)
+  flags = [*report.reasons, *split.flags, *v.flags, *_check_flags(task, prep, v)]
+  if snapshot.changed_since(repo_dir, snap):
+    flags.append("snapshot: the tree changed while it was graded (a writer was still running)")
+  tests = (*task.fail_to_pass, *task.pass_to_pass)
+  passed = tuple(t for t in tests if v.outcomes.get(t) == baseline.PASSED)
+  failed = tuple(t for t in tests if v.outcomes.get(t) != baseline.PASSED)
+  f2p_ok = sum(v.outcomes.get(t) == baseline.PASSED for t in task.fail_to_pass)
+  p2p_ok = all(v.outcomes.get(t) == baseline.PASSED for t in task.pass_to_pass)
+  reward = f2p_ok / len(task.fail_to_pass) if task.fail_to_pass and p2p_ok and not flags else 0.0
+  return records.Grade(reward, passed, failed, tuple(flags))
+
+
+def _check_flags(task: records.Task, prep: prepare.Prepared, v: _Verdict) -> list[str]:
+  """Canary cases that passed together with their real twin; held-out answers that contradict a pass."""
+  flags = []
+  hits = [
+    (k, i) for k, i in v.canaries if i in prep.valid.get(k, ()) and v.reals.get((k, i)) == baseline.PASSED
+  ]
+  if hits:
+    total = sum(len(s) for s in prep.valid.values())
+    flags.append(
+      f"canary: {len(hits)} of {total} canary tests passed with altered expected values, as did their real "
+      f"twins (e.g. {hits[0][0]}): the tests pass whatever the answer"
+    )
+  if prep.checks is not None:
+    passed = {t for t in task.fail_to_pass if v.outcomes.get(t) == baseline.PASSED}
+    flags += heldout.flags(prep.checks, v.heldout_recs, passed)
+  return flags

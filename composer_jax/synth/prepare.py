@@ -1,0 +1,159 @@
+"""Per-task preparation of the grader's private checks, once per task and process (cached in memory).
+
+On the original code (the task's pristine library, its hidden tests in place), one sandboxed pytest run
+executes the FAIL_TO_PASS tests with the argument recorder on, next to a generated module holding each
+twinnable test twice (real and canary, canary.py): real twins must pass there (else the test is run from
+its original file at grading), canary cases must fail (only those are kept). One driver run then computes
+the original outputs of the recorded calls, twice each (heldout.py). Nothing of this reaches the agent:
+the checkout never contains it, and grading runs carry only what a single process needs.
+"""
+
+import collections
+import dataclasses
+import hashlib
+import json
+import pathlib
+import random
+import tempfile
+import threading
+
+from composer_jax.synth import baseline, canary, heldout, records, runtree, sandbox, snapshot
+
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+_LOCK = threading.Lock()
+_CACHE_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  base: runtree.Base
+  units: tuple  # canary.Unit whose real twin passes on the original code
+  other: tuple  # F2P ids run from their original file (not twinnable, or the twin failed)
+  canaries: dict  # unit key -> canary.Canary with at least one valid case
+  valid: dict  # unit key -> frozenset of parametrisation keys whose canary fails on the original
+  checks: heldout.Checks | None
+  notes: tuple
+
+
+def run_tree(box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dict):
+  """One runner process over a fresh grader-written tree, copied into the sandbox's tmpfs."""
+  with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
+    root = pathlib.Path(tmp, "tree")
+    snapshot.write_tree(root, files)
+    size = sum(len(v) for v in files.values())
+    return baseline.run_runner(box, venv, root, spec, copy_in=True, task_bytes=max(256 << 20, 4 * size))
+
+
+def target(task: records.Task, base: runtree.Base) -> tuple[str, str] | None:
+  """(module, qualname) of the task's target function, from the files of the run tree."""
+  parts = task.feature[0].split(".")
+  for i in range(len(parts) - 1, 0, -1):
+    path = "/".join(parts[:i])
+    for root in base.roots:
+      prefix = f"{root}/" if root else ""
+      if f"{prefix}{path}.py" in base.run or f"{prefix}{path}/__init__.py" in base.run:
+        return ".".join(parts[:i]), ".".join(parts[i:])
+  return None
+
+
+def idx_key(idx) -> tuple:
+  return tuple(tuple(p) for p in idx) if isinstance(idx, list) else ()
+
+
+def twin_files(files: dict[str, bytes], twins: list, texts: dict[str, str], rng: random.Random):
+  """`files` plus one generated module per hidden file with its `twins`; (files, {module: names})."""
+  out, names = dict(files), {}
+  by_file = collections.defaultdict(list)
+  for t in twins:
+    by_file[t.unit.file].append(t)
+  for rel, group in sorted(by_file.items()):
+    src, mapping = canary.generate(texts[rel], group, rng)
+    gen = canary.module_name(rel)
+    out[gen] = src.encode()
+    names[gen] = mapping
+  return out, names
+
+
+def twin_results(recs: list[dict], names: dict) -> dict:
+  """{(unit key, kind): {parametrisation key: (outcome, "[params]")}} of one run."""
+  outcomes = baseline.outcomes(recs)
+  out = collections.defaultdict(dict)
+  for r in recs:
+    if r.get("t") != "item" or not isinstance(r.get("id"), str):
+      continue
+    file, cls, func, params = canary.split_id(r["id"])
+    twin = names.get(file, {}).get((cls, func))
+    if twin is not None:
+      out[(twin.unit.key, twin.kind)][idx_key(r.get("idx"))] = (outcomes.get(r["id"], "missing"), params)
+  return out
+
+
+def prepared(task: records.Task, box: sandbox.Sandbox) -> Prepared:
+  blob = json.dumps([task.instance_id, task.repo_dir, task.patch, task.test_files, task.fail_to_pass])
+  key = hashlib.sha256(blob.encode()).hexdigest()
+  with _LOCK:
+    if key in _CACHE:
+      _CACHE.move_to_end(key)
+      return _CACHE[key]
+  p = _prepare(task, box)
+  with _LOCK:
+    _CACHE[key] = p
+    while len(_CACHE) > _CACHE_SIZE:
+      _CACHE.popitem(last=False)
+  return p
+
+
+def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
+  base = runtree.make_base(task)
+  units, other = canary.units(task.fail_to_pass, task.test_files)
+  rng = random.Random(int(hashlib.sha256(task.instance_id.encode()).hexdigest()[:16], 16))
+  made = {u.key: _or_none(canary.make_canary, u, task.test_files[u.file], rng) for u in units}
+  twins = [canary.Twin(u, "real", canary.def_of(u, task.test_files[u.file])) for u in units]
+  twins += [canary.Twin(u, "canary", c.fn, c.extra) for u in units if (c := made[u.key]) is not None]
+  trouble = ""
+  try:
+    files, names = twin_files(base.pristine, twins, task.test_files, rng)
+  except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError) as err:  # ast cannot redo it
+    files, names, trouble = dict(base.pristine), {}, f"; twins not generated ({type(err).__name__}: {err})"
+  spec = {"mode": "pytest", "args": [*task.fail_to_pass, *sorted(names)]}
+  tgt = target(task, base)
+  if tgt is not None:
+    spec["record"] = {"module": tgt[0], "qualname": tgt[1], "tests": list(task.fail_to_pass)}
+  _, recs = run_tree(box, task.venv, files, spec)
+  results = twin_results(recs, names)
+  kept, valid, canaries = [], {}, {}
+  for u in units:
+    reals = results.get((u.key, "real"), {})
+    real_ids = {f"{u.key}{params}": outcome for outcome, params in reals.values()}
+    if any(real_ids.get(i) != baseline.PASSED for i in u.ids):
+      other += list(u.ids)
+      continue
+    kept.append(u)
+    failing = frozenset(k for k, (o, _) in results.get((u.key, "canary"), {}).items() if o != baseline.PASSED)
+    if failing:
+      valid[u.key], canaries[u.key] = failing, made[u.key]
+  checks = _checks(task, box, base, tgt, recs)
+  notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are"
+           f"{trouble}",
+           f"{len(checks.calls) if checks else 0} held-out calls")  # fmt: skip
+  return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes)
+
+
+def _or_none(fn, *args):
+  """A canary when one can be made; odd test code (that ast cannot redo) gets none, not a crash."""
+  try:
+    return fn(*args)
+  except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError):
+    return None
+
+
+def _checks(task, box, base, tgt, recs) -> heldout.Checks | None:
+  if tgt is None:
+    return None
+  calls, tests = heldout.select_calls(recs, task.fail_to_pass)
+  if not calls:
+    return None
+  spec = {"mode": "call", "module": tgt[0], "qualname": tgt[1], "calls": list(calls), "repeat": 2}
+  _, out = run_tree(box, task.venv, runtree.library_only(base.pristine), spec)
+  calls, tests, expected = heldout.expected_from(out, calls, tests, repeat=2)
+  return heldout.Checks(tgt[0], tgt[1], calls, tests, expected) if calls else None

@@ -1,0 +1,233 @@
+"""The grader's own entry point inside the sandbox: pytest with a fixed start-up, or the held-out driver.
+
+Runs as `python -I -B /.grader/runner.py /.grader/ctl/spec.json` (standalone: it imports nothing of
+composer_jax, which is not in the sandbox). Why this start-up: `-I` keeps the working directory and
+`PYTHON*` variables out of `sys.path`, so a module in the task dir cannot shadow the standard library or
+site-packages; the task's import roots are *appended* after them. Plugin autoload is off and the venv's
+own pytest plugins are passed explicitly (`-p`), so a `.dist-info` entry point or `.pth` planted in the
+task tree loads nothing; the cache provider is off.
+
+Results go to the pipe in `$COMPOSER_CHANNEL_FD` (held by the grader), one JSON object per line:
+  {"t": "item", "id", "idx"}        a collected test and its parametrisation indices (to pair twins)
+  {"t": "rep", "id", "when", "outcome", "xfail"}   pytest's report of one phase
+  {"t": "cerr", "id"}               a collection error
+  {"t": "call", "test", "args"}     record mode: the target was called with these (plain) arguments
+  {"t": "out", "i", "r" | "exc" | "obj"}           call mode: result of call i (encoded), or why none
+  {"t": "end", "rc"}                the runner finished
+Code under test can write to the same pipe; the grader never trusts a line for more than the code could
+have computed itself (see canary.py and heldout.py).
+
+Encoding of plain values (arguments and results): None, bool, int, str as JSON; floats, bytes, complex,
+range and containers as `[tag, payload]`; exact types only (a subclass or any other object is not plain),
+so an object with a permissive `__eq__` can never encode as the value it claims to equal.
+"""
+
+import importlib
+import json
+import os
+import sys
+
+MAX_NODES = 20_000
+MAX_ITER = 10_000
+_CO_VARARGS, _CO_VARKEYWORDS = 0x04, 0x08
+
+
+class Unencodable(Exception):
+  pass
+
+
+def encode(x, budget: list | None = None, *, results: bool = False):
+  """Plain value -> JSON-able tree. `results=True` also materialises builtin iterators and generators."""
+  budget = budget if budget is not None else [MAX_NODES]
+  budget[0] -= 1
+  if budget[0] < 0:
+    raise Unencodable("too large")
+  t = type(x)
+  if x is None or t is bool or t is int or t is str:
+    return x
+  if t is float or t is complex:
+    return [t.__name__, repr(x)]
+  if t is bytes:
+    return ["bytes", x.hex()]
+  if t is range:
+    return ["range", [x.start, x.stop, x.step]]
+  if t in (list, tuple, set, frozenset):
+    return [t.__name__, [encode(v, budget, results=results) for v in x]]
+  if t is dict:
+    return ["dict", [[encode(k, budget), encode(v, budget, results=results)] for k, v in dict.items(x)]]
+  if results and _is_iterator(t):
+    items = []
+    for v in x:
+      if len(items) >= MAX_ITER:
+        return ["iter", items, "truncated"]
+      items.append(encode(v, budget, results=results))
+    return ["iter", items]
+  raise Unencodable(f"{t.__module__}.{t.__qualname__}")
+
+
+def _is_iterator(t: type) -> bool:
+  return hasattr(t, "__next__") and t.__module__ in ("builtins", "itertools", "collections")
+
+
+def decode(v):
+  if not isinstance(v, list):
+    return v
+  tag, payload = v[0], v[1]
+  if tag in ("float", "complex"):
+    return {"float": float, "complex": complex}[tag](payload)
+  if tag == "bytes":
+    return bytes.fromhex(payload)
+  if tag == "range":
+    return range(*payload)
+  if tag == "dict":
+    return {decode(k): decode(x) for k, x in payload}
+  return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "iter": list}[tag](
+    decode(x) for x in payload
+  )
+
+
+class Channel:
+  def __init__(self):
+    fd = os.environ.get("COMPOSER_CHANNEL_FD", "")
+    self.fd = int(fd) if fd.isdigit() else None
+
+  def emit(self, **record) -> None:
+    if self.fd is None:
+      return
+    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    while data:
+      data = data[os.write(self.fd, data) :]
+
+
+def resolve(module: str, qualname: str):
+  """The object `module.qualname` (a function, or a method looked up in its class's __dict__)."""
+  obj = importlib.import_module(module)
+  for part in qualname.split("."):
+    owner, obj = obj, getattr(obj, part)
+  if isinstance(owner, type):
+    raw = owner.__dict__.get(qualname.rsplit(".", 1)[-1])
+    if isinstance(raw, staticmethod | classmethod):
+      return obj, raw.__func__
+  return obj, obj
+
+
+def _code_of(fn):
+  while hasattr(fn, "__wrapped__"):
+    fn = fn.__wrapped__
+  return getattr(fn, "__code__", None)
+
+
+def bound_args(frame) -> dict:
+  """{"pos", "var", "kw"} of a call, read from its frame at the 'call' event (before the body runs)."""
+  code, loc = frame.f_code, frame.f_locals
+  names, n = code.co_varnames, code.co_argcount
+  out = {"pos": [loc[x] for x in names[:n]], "var": [], "kw": {}}
+  out["kw"] = {x: loc[x] for x in names[n : n + code.co_kwonlyargcount]}
+  i = n + code.co_kwonlyargcount
+  if code.co_flags & _CO_VARARGS:
+    out["var"], i = list(loc[names[i]]), i + 1
+  if code.co_flags & _CO_VARKEYWORDS:
+    out["kw"].update(loc[names[i]])
+  return out
+
+
+def encode_call(bound: dict) -> dict:
+  """Arguments of one call (`bound_args`) as {"pos": [...], "var": [...], "kw": {name: ...}}, encoded."""
+  budget = [MAX_NODES]
+  return {
+    "pos": [encode(v, budget) for v in bound["pos"]],
+    "var": [encode(v, budget) for v in bound["var"]],
+    "kw": {k: encode(v, budget) for k, v in bound["kw"].items()},
+  }
+
+
+def decode_call(call: dict) -> tuple[list, dict]:
+  return [decode(v) for v in (*call["pos"], *call["var"])], {k: decode(v) for k, v in call["kw"].items()}
+
+
+def _pytest(spec: dict, chan: Channel) -> int:
+  os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+  import pytest
+
+  record = spec.get("record")
+  code = _code_of(resolve(record["module"], record["qualname"])[1]) if record else None
+  state = {"test": None, "frames": []}
+
+  def profile(frame, event, arg):
+    # A generator's frame gets a 'call' event on every resume: record each frame once, at its first.
+    if event != "call" or frame.f_code is not code or not state["test"]:
+      return
+    seen = state["frames"]
+    if len(seen) < record.get("per_test", 4) and not any(frame is f for f in seen):
+      seen.append(frame)
+      try:
+        chan.emit(t="call", test=state["test"], args=encode_call(bound_args(frame)))
+      except Unencodable:
+        pass
+
+  class Reporter:
+    def pytest_collection_finish(self, session):
+      for item in session.items:
+        spec_ = getattr(item, "callspec", None)
+        idx = sorted(spec_.indices.items()) if spec_ is not None else []
+        chan.emit(t="item", id=item.nodeid, idx=idx)
+
+    def pytest_collectreport(self, report):
+      if report.failed:
+        chan.emit(t="cerr", id=report.nodeid)
+
+    def pytest_runtest_logreport(self, report):
+      chan.emit(t="rep", id=report.nodeid, when=report.when, outcome=report.outcome,
+                xfail=hasattr(report, "wasxfail"))  # fmt: skip
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+      recording = code is not None and item.nodeid in record.get("tests", ())
+      state["test"] = item.nodeid if recording else None
+      if recording:
+        sys.setprofile(profile)
+      try:
+        yield
+      finally:
+        sys.setprofile(None)
+        state["test"], state["frames"] = None, []
+
+  plugins = [a for p in spec.get("plugins", ()) for a in ("-p", p)]
+  args = ["-p", "no:cacheprovider", "--color=no", "-q", "--tb=short", *plugins, *spec.get("args", ())]
+  return int(pytest.main(args, plugins=[Reporter()]))
+
+
+def _calls(spec: dict, chan: Channel) -> int:
+  target, _ = resolve(spec["module"], spec["qualname"])
+  chan.emit(t="ready")
+  for i, call in enumerate(spec["calls"]):
+    for _ in range(spec.get("repeat", 1)):
+      args, kwargs = decode_call(call)
+      try:
+        out = target(*args, **kwargs)
+      except BaseException as err:  # noqa: BLE001 (SystemExit too: a result like any other)
+        chan.emit(t="out", i=i, exc=type(err).__name__)
+        continue
+      try:
+        chan.emit(t="out", i=i, r=encode(out, results=True))
+      except Unencodable as err:
+        chan.emit(t="out", i=i, obj=str(err))
+  return 0
+
+
+def main(argv: list[str]) -> None:
+  with open(argv[1]) as f:
+    spec = json.load(f)
+  sys.path += [r for r in spec.get("roots", ()) if r not in sys.path]
+  chan, rc = Channel(), 3
+  try:
+    rc = _pytest(spec, chan) if spec["mode"] == "pytest" else _calls(spec, chan)
+  finally:
+    chan.emit(t="end", rc=rc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # no atexit handler of the code under test runs after the end record
+
+
+if __name__ == "__main__":
+  main(sys.argv)

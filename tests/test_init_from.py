@@ -1,0 +1,116 @@
+"""Starting from a Hugging Face checkpoint directory (`--config.init_from`): a tiny DeepseekV3 checkpoint
+written by `model.save_hf_checkpoint`, with its own `tokenizer.json`, runs through demo and pretrain."""
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from tiny import TINY
+
+from composer_jax import configs, model, pipeline, sharding
+from composer_jax.data import tokenizer
+from composer_jax.train.losses import next_token_logp
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+CFG = dataclasses.replace(TINY, vocab_size=272)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> pathlib.Path:
+  """config.json + model.safetensors (weights of seed 123) + a byte-level BPE (264 ids at most) with its
+  own eos and pad."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  d = tmp_path_factory.mktemp("hf")
+  params = model.init(CFG, jax.random.key(123))
+  model.save_hf_checkpoint(params, CFG, str(d))
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=264, special_tokens=["</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  tok.train_from_iterator([f"def f{i}(x):\n  return x * {i}\n" for i in range(200)], trainer)
+  tok.save(str(d / "tokenizer.json"))
+  (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+  return d
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> str:
+  from composer_jax.data import corpus
+
+  root = tmp_path_factory.mktemp("src")
+  want, i = {"train": 6, "validation": 2}, 0
+  while any(want.values()):
+    name, i = f"mod_{i}.py", i + 1
+    if want[corpus.split_of(name)]:
+      want[corpus.split_of(name)] -= 1
+      (root / name).write_text("".join(f"def f{j}(x):\n  return x * {j % 7}\n\n" for j in range(30)))
+  return str(root)
+
+
+def _config(hf_dir, corpus_dir, stages: str, **train):
+  spec = importlib.util.spec_from_file_location("small", _ROOT / "tests" / "small_experiment.py")
+  exp = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(exp)
+  c = exp.get_config()
+  c.stages, c.init_from, c.data.src_dir = stages, str(hf_dir), corpus_dir
+  c.model.vocab_size = 9999  # replaced by the checkpoint's config.json
+  c.train.update(train)
+  return c
+
+
+def test_the_checkpoint_sets_model_and_tokenizer(hf_dir, corpus_dir):
+  config = configs.resolve(configs.from_config(_config(hf_dir, corpus_dir, "demo")))
+  assert config.model == dataclasses.replace(CFG, init_std=config.model.init_std)
+  tok = tokenizer.load(config.data.tokenizer)
+  vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
+  assert isinstance(tok, tokenizer.HFTokenizer) and tok.vocab_size == len(vocab) <= 264
+  assert (tok.eos_id, tok.pad_id) == (0, 1) and tok.decode(tok.encode("def f1(x):")) == "def f1(x):"
+  with pytest.raises(KeyError, match="no <\\|tool_call\\|> token"):
+    tok.special_id("<|tool_call|>")
+
+
+def test_demo_runs_the_checkpoint_weights(hf_dir, corpus_dir, tmp_path, meshes):
+  out = pipeline.run(_config(hf_dir, corpus_dir, "demo"), str(tmp_path))["demo"]
+  config = configs.resolve(configs.from_config(_config(hf_dir, corpus_dir, "demo")))
+  params = model.load_hf_checkpoint(str(hf_dir), config.model, meshes)
+  rng = jax.random.fold_in(jax.random.key(config.seed), 1)
+  tokens = jax.random.randint(rng, (config.demo.batch, config.demo.prompt_len), 0, config.model.vocab_size)
+  tokens = jax.device_put(tokens, sharding.activation_sharding(("batch", "seq"), meshes))
+  logits, _ = jax.jit(functools.partial(model.apply, cfg=config.model, meshes=meshes))(params, tokens=tokens)
+  assert out["loss"] == pytest.approx(float(-next_token_logp(logits, tokens).mean()), rel=1e-6)
+
+
+def test_pretrain_starts_from_the_checkpoint(hf_dir, corpus_dir, tmp_path):
+  """lr 0 and no router-bias moves: two steps leave the weights exactly the checkpoint's."""
+  c = _config(hf_dir, corpus_dir, "pretrain", steps=2, router_bias_rate=0.0, checkpoint_every=2)
+  c.optim.update(learning_rate=0.0, weight_decay=0.0, qk_clip_tau=0.0)
+  out = pipeline.run(c, str(tmp_path))["pretrain"]
+  assert out["steps"] == 2 and np.isfinite(out["last_train_loss"])
+  saved = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "2" / "state")["params"]
+  want = jax.device_get(model.init(CFG, jax.random.key(123)))
+  assert _by_path(saved).keys() == _by_path(want).keys()
+  for path, leaf in _by_path(want).items():
+    np.testing.assert_array_equal(_by_path(saved)[path], leaf, err_msg=path)
+  assert 0 < out["first_validation_loss"] < np.log(272) + 2
+
+
+def _by_path(tree) -> dict:
+  """{"layers/0/attn/q_a_proj": leaf}: orbax restores list indices as string keys."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  name = lambda k: str(getattr(k, "key", getattr(k, "idx", k)))  # noqa: E731
+  return {"/".join(name(k) for k in path): np.asarray(leaf) for path, leaf in flat}
+
+
+def test_sft_and_rl_refuse_init_from_in_one_line(hf_dir, corpus_dir, tmp_path):
+  with pytest.raises(configs.ConfigError, match="the sft and rl stages train the small"):
+    pipeline.run(_config(hf_dir, corpus_dir, "sft"), str(tmp_path))

@@ -1,0 +1,231 @@
+"""Runs a user can trust, tried as a user would: `run.py` in a subprocess, signalled at random moments,
+extended, starved of disk; each must end in one clear line and a state that resumes to the same result.
+
+The run is tests/small_experiment.py (a two-layer model, 8 steps, checkpoints every 2) on a fake corpus.
+"""
+
+import json
+import os
+import pathlib
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from composer_jax.synth import sandbox
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_CONFIG = "--config=tests/small_experiment.py"
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> str:
+  """Six train files and two validation files of Python-looking text (as tests/test_train.py)."""
+  from composer_jax.data import corpus
+
+  root = tmp_path_factory.mktemp("src")
+  want, i = {"train": 6, "validation": 2}, 0
+  rng = np.random.default_rng(0)
+  while any(want.values()):
+    name, i = f"mod_{i}.py", i + 1
+    split = corpus.split_of(name)
+    if want[split]:
+      want[split] -= 1
+      body = "".join(f"def f{j}(x):\n  return x * {int(rng.integers(10))}\n\n" for j in range(20))
+      (root / name).write_text(f'"""Module {name}."""\n\n' + body)
+  return str(root)
+
+
+def _cmd(workdir: pathlib.Path, corpus_dir: str, *extra: str) -> list[str]:
+  return [
+    sys.executable,
+    "run.py",
+    _CONFIG,
+    f"--workdir={workdir}",
+    f"--config.data.src_dir={corpus_dir}",
+    *extra,
+  ]
+
+
+def _env() -> dict:
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(workdir, corpus_dir, *extra, timeout=600) -> subprocess.CompletedProcess:
+  return subprocess.run(
+    _cmd(workdir, corpus_dir, *extra), cwd=_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+  )
+
+
+def _params(workdir: pathlib.Path, step: int):
+  return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "state")["params"]
+
+
+def _assert_same_params(a, b):
+  import jax
+
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.fixture(scope="module")
+def straight(corpus_dir, tmp_path_factory):
+  """The uninterrupted run: (workdir, seconds)."""
+  workdir = tmp_path_factory.mktemp("straight")
+  t0 = time.perf_counter()
+  p = _run(workdir, corpus_dir)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return workdir, time.perf_counter() - t0
+
+
+def _interrupted(workdir, corpus_dir, delay: float, signum: int) -> subprocess.CompletedProcess:
+  proc = subprocess.Popen(
+    _cmd(workdir, corpus_dir),
+    cwd=_ROOT,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  time.sleep(delay)
+  proc.send_signal(signum)
+  out, err = proc.communicate(timeout=600)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _check_interrupt_output(p: subprocess.CompletedProcess) -> None:
+  """Exit 130 with a last line that says how to resume, or 0 when the run had already finished; never a
+  traceback."""
+  assert "Traceback" not in p.stderr, p.stderr[-3000:]
+  if p.returncode == 0:
+    return
+  last = p.stderr.strip().splitlines()[-1]
+  assert p.returncode == 130 and last.startswith("run.py: interrupted") and "rerun" in last, p.stderr[-2000:]
+
+
+def _signal_at_random_points_then_finish(straight, corpus_dir, tmp_path, n: int, seed: int) -> list[str]:
+  """n runs each signalled (SIGINT or SIGTERM) at a random moment of a fresh or resumed run, then one to
+  the end: the final parameters equal the uninterrupted run's bit for bit."""
+  ref_dir, seconds = straight
+  rng = random.Random(seed)
+  outcomes = []
+  for _ in range(n):
+    signum = rng.choice([signal.SIGINT, signal.SIGTERM])
+    p = _interrupted(tmp_path, corpus_dir, rng.uniform(0.5, seconds), signum)
+    _check_interrupt_output(p)
+    outcomes.append(f"{signal.Signals(signum).name}:{p.returncode}")
+  p = _run(tmp_path, corpus_dir)
+  assert p.returncode == 0, p.stderr[-3000:]
+  summary = json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"]
+  assert summary["steps"] == 8 and summary["skipped_steps"] == 0
+  _assert_same_params(_params(tmp_path, 8), _params(ref_dir, 8))
+  steps = [
+    r["step"]
+    for r in map(json.loads, (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines())
+    if "loss" in r
+  ]
+  assert steps == list(range(1, 9))  # every step once, however often the run was cut
+  return outcomes
+
+
+def test_signals_at_random_points_end_cleanly_and_resume_exactly(straight, corpus_dir, tmp_path):
+  _signal_at_random_points_then_finish(straight, corpus_dir, tmp_path, n=3, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(5))
+def test_signals_at_random_points_many_times(straight, corpus_dir, tmp_path, seed):
+  _signal_at_random_points_then_finish(straight, corpus_dir, tmp_path, n=6, seed=100 + seed)
+
+
+def test_raising_steps_trains_on_and_a_refused_change_damages_nothing(straight, corpus_dir, tmp_path):
+  first = _run(tmp_path, corpus_dir, "--config.train.steps=4")
+  assert first.returncode == 0, first.stderr[-3000:]
+  marker = json.loads((tmp_path / "stages" / "pretrain.json").read_text())
+  more = _run(tmp_path, corpus_dir, "--config.train.steps=6")
+  assert more.returncode == 0, more.stderr[-3000:]
+  assert "continuing in place" in more.stderr and "re-derived over 6 steps, not 4" in more.stderr
+  extended = json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"]
+  assert (extended["start_step"], extended["steps"]) == (4, 6)
+  assert extended["first_train_loss"] == marker["summary"]["first_train_loss"]  # the whole run's first loss
+
+  refused = _run(tmp_path, corpus_dir, "--config.train.steps=6", "--config.optim.learning_rate=0.5")
+  last = refused.stderr.strip().splitlines()[-1]
+  assert refused.returncode == 2 and "optim.learning_rate: checkpoint 0.01, now 0.5" in last, refused.stderr[
+    -2000:
+  ]
+  again = _run(tmp_path, corpus_dir, "--config.train.steps=6")  # the refused try left the marker alone
+  assert again.returncode == 0 and "with this config: skipped" in again.stderr
+  assert json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"] == extended
+
+
+def test_a_full_disk_stops_the_run_at_once_and_leaves_no_partial_checkpoint(straight, corpus_dir, tmp_path):
+  """The checkpoint directory on a 64 KiB tmpfs (bubblewrap mount namespace): the first save fails with
+  ENOSPC; the run stops with one line, no `*.orbax-checkpoint-tmp*` is left, and with room again the same
+  command finishes."""
+  if not sandbox.available():
+    pytest.skip("bubblewrap not installed (the full disk is a size-capped tmpfs in a mount namespace)")
+  small = tmp_path / "small"
+  small.mkdir()
+  (tmp_path / "w").mkdir()
+  os.symlink(small, tmp_path / "w" / "checkpoints")
+  listing = tmp_path / "left_on_the_full_disk.txt"
+  inner = " ".join(map(shlex.quote, _cmd(tmp_path / "w", corpus_dir)))
+  script = f"{inner}; rc=$?; ls -A {shlex.quote(str(small))} > {shlex.quote(str(listing))}; exit $rc"
+  wrap = ["bwrap", "--dev-bind", "/", "/", "--size", str(64 * 1024), "--tmpfs", str(small), "--", "sh", "-c"]
+  p = subprocess.run(wrap + [script], cwd=_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+  last = p.stderr.strip().splitlines()[-1]
+  assert p.returncode == 1 and "saving a checkpoint" in last and "No space left on device" in last, p.stderr[
+    -3000:
+  ]
+  assert "Traceback" not in p.stderr
+  records = [json.loads(r) for r in (tmp_path / "w" / "metrics" / "metrics.jsonl").read_text().splitlines()]
+  assert max(r["step"] for r in records) <= 4  # stopped at once, not after the remaining steps
+  assert "orbax-checkpoint-tmp" not in listing.read_text()  # what the full disk held when the run ended
+  os.unlink(tmp_path / "w" / "checkpoints")
+  ok = _run(tmp_path / "w", corpus_dir)
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  _assert_same_params(_params(tmp_path / "w", 8), _params(straight[0], 8))
+
+
+def test_bad_workdir_and_config_conflicts_are_one_line(corpus_dir, tmp_path):
+  (tmp_path / "a_file").write_text("")
+  cases = [
+    ([f"--workdir={tmp_path / 'a_file'}"], "is not a writable directory"),
+    (["--config.mesh.expert=(4,1)"], "mesh.dense (4, 1, 2) has 8 devices but mesh.expert (4, 1) has 4"),
+    (["--config.train.batch_size=6"], "must be divisible by replica·fsdp = 4"),
+    (["--config.data.tokenizer=bpe"], "has 4096 ids but model.vocab_size is 272"),
+    (["--config.stages=pretrain,rl", "--config.rl.objective=ppo"], "rl.objective 'ppo'"),
+  ]
+  for extra, message in cases:
+    workdir = [] if extra[0].startswith("--workdir") else [f"--workdir={tmp_path / 'w'}"]
+    p = subprocess.run(
+      [sys.executable, "run.py", _CONFIG, f"--config.data.src_dir={corpus_dir}", *workdir, *extra],
+      cwd=_ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [line for line in p.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert p.returncode == 2 and message in lines[-1] and "Traceback" not in p.stderr, (
+      extra,
+      p.stderr[-2000:],
+    )
+  small = tmp_path / "tiny_src"
+  small.mkdir()
+  (small / "one.py").write_text("x = 1\n")
+  p = _run(tmp_path / "w2", str(small))
+  assert p.returncode == 2 and "split got none" in p.stderr.strip().splitlines()[-1]
+  shutil.rmtree(tmp_path / "w2", ignore_errors=True)
+
+
+def test_one_device(corpus_dir, tmp_path):
+  """The README's single-device flags: both meshes of size 1 (run.py then makes one CPU device)."""
+  one = ["--config.mesh.dense=(1,1,1)", "--config.mesh.expert=(1,1)", "--config.train.steps=2"]
+  p = _run(tmp_path, corpus_dir, *one)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "1 local of 1 cpu devices" in p.stderr
+  assert json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"]["steps"] == 2
