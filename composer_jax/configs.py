@@ -250,6 +250,9 @@ class RLConfig:
   max_turn_tokens: int = 16  # sampled tokens per assistant turn (a call is at most ~12)
   cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
   batch_min_len: int = 256  # a step's batch is padded to a power of two ≥ this: fewer shapes to compile
+  # "byte" (the small model's byte-level ids) or a checkpoint directory whose tokenizer.json has the chat
+  # format's special tokens (`init_from` sets it; `rl.chat.tokenizer`)
+  tokenizer: str = "byte"
   # bookkeeping
   seed: int = 0
   log_every: int = 1
@@ -320,8 +323,9 @@ class Config:
   force: str = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs moved aside
   workdir: str | None = None  # None: run.py's --workdir, else runs/<variant>
   # A Hugging Face DeepseekV3 / Kimi-K2 checkpoint directory (config.json + safetensors): its architecture
-  # replaces model's shapes (model's how-to-compute fields stay), demo and pretrain start from its weights,
-  # and its tokenizer.json, when present, is the data tokenizer.
+  # replaces model's shapes (model's how-to-compute fields stay), every stage starts from its weights (sft,
+  # gate and rl train it as it is, instead of rl.model), and its tokenizer.json, when present, is the data
+  # and chat tokenizer (data.tokenizer, rl.tokenizer).
   init_from: str | None = None
   mesh: MeshConfig = MeshConfig()
   model: ModelConfig = ModelConfig()
@@ -379,7 +383,10 @@ def pretrain_optimizer(config: Config) -> OptimizerConfig:
 
 
 def rl_model(config: Config) -> ModelConfig:
-  """The small one-device model of the sft and rl stages: `config.model` with `config.rl.model`."""
+  """The one-device model of the sft and rl stages: `config.model` with `config.rl.model`, or, with
+  `init_from`, the checkpoint's own model as it is (its weights are what sft and rl start from)."""
+  if config.init_from:
+    return config.model
   return dataclasses.replace(config.model, **config.rl.model)
 
 
@@ -405,10 +412,10 @@ def resolve(config: Config) -> Config:
     model = ModelConfig.from_hf(json.loads((d / "config.json").read_text()), **compute)
   except ValueError as e:
     raise ConfigError(f"init_from {str(d)!r}: {e}") from None
-  data = config.data
+  data, rl = config.data, config.rl
   if (d / "tokenizer.json").is_file():
-    data = dataclasses.replace(data, tokenizer=str(d))
-  return dataclasses.replace(config, model=model, data=data)
+    data, rl = dataclasses.replace(data, tokenizer=str(d)), dataclasses.replace(rl, tokenizer=str(d))
+  return dataclasses.replace(config, model=model, data=data, rl=rl)
 
 
 def check_meshes(config: Config) -> None:

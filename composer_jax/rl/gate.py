@@ -35,7 +35,7 @@ from absl import logging
 
 from composer_jax import model
 from composer_jax.configs import GateConfig, RLConfig
-from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from composer_jax.rl import chat, feedback, sampler, stats
 from composer_jax.rl.batch import bucket, feedback_rules
 from composer_jax.rl.rollout import collect
@@ -78,9 +78,19 @@ def valid_next(prefix: Sequence[int], arity: dict[str, int], tok: Tokenizer = TO
     return [open_id]
   if prefix[0] != open_id or any(tok.is_special(i) for i in prefix[1:]):  # type: ignore[attr-defined]
     return []
-  text = bytes(prefix[1:]).decode("ascii", errors="replace")
-  out = [b for b in range(32, 127) if call_prefix_ok(text + chr(b), arity)]
+  text = tok.decode(list(prefix[1:]))
+  out = [i for i, piece in _pieces(tok) if call_prefix_ok(text + piece, arity)]
   return out + [close_id] * call_complete(text, arity)
+
+
+@functools.cache
+def _pieces(tok: Tokenizer) -> tuple[tuple[int, str], ...]:
+  """(id, text) of every non-special token that could appear in a call: printable ASCII bytes for the
+  byte-level tokenizer, every vocabulary entry's decoded text for a checkpoint's."""
+  if isinstance(tok, ByteTokenizer):
+    return tuple((b, chr(b)) for b in range(32, 127))
+  ids = (i for i in range(tok.vocab_size) if not tok.is_special(i))  # type: ignore[attr-defined]
+  return tuple((i, s) for i in ids if (s := tok.decode([i])) and "\ufffd" not in s)
 
 
 def decision_index(ids: Sequence[int], arity: dict[str, int], tok: Tokenizer = TOK) -> int | None:
@@ -112,17 +122,17 @@ def collect_flagged(params: Any, cfg: model.ModelConfig, rcfg: RLConfig, gcfg: G
   Returns (all trajectories, their envs, the Flagged list)."""
   from composer_jax.rl.envs import factories
 
-  rules = feedback_rules(rcfg)
+  rules, tok = feedback_rules(rcfg), chat.tokenizer(rcfg.tokenizer)
   trajs, env_all, flagged = [], [], []
   for i in range(gcfg.max_batches):
     env_list, seeds = factories.fixed_set(rcfg, gcfg.rollouts_per_batch, seed=gcfg.seed + i)
     batch = collect(params, cfg, env_list, seeds, jax.random.key(gcfg.seed + i), rcfg)
     for traj, env in zip(batch, env_list, strict=True):
-      found = feedback.detect(traj, env.info(), rules) if traj.status != chat.FAILED else []
+      found = feedback.detect(traj, env.info(), rules, tok) if traj.status != chat.FAILED else []
       if found:
         k, kind = found[0]
         hints = {"student": []} | {
-          v: feedback.hint_ids(feedback.hint_at(traj, k, kind, env.info(), rules, variant=v))
+          v: feedback.hint_ids(feedback.hint_at(traj, k, kind, env.info(), rules, variant=v, tok=tok), tok)
           for v in ("task", "null", "wrong")
         }
         flagged.append(Flagged(traj, env, k, kind, hints))
@@ -151,7 +161,7 @@ def resample_valid(
   """[len(contexts), samples] bool: does `envs[i]` accept the call of a turn sampled after context i?"""
   rows = [(i, c) for i, c in enumerate(contexts) for _ in range(samples)]
   P = bucket(max(len(c) for c in contexts), 64)
-  N = rcfg.max_turn_tokens
+  N, tok = rcfg.max_turn_tokens, chat.tokenizer(rcfg.tokenizer)
   ok = np.zeros(len(rows), bool)
   for start in range(0, len(rows), chunk):
     part = rows[start : start + chunk]
@@ -159,11 +169,11 @@ def resample_valid(
     toks, lens = _padded([c for _, c in part], P)
     out = sampler.sample(
       params, cfg, toks, lens, jax.random.fold_in(key, start), max_new_tokens=N, temperature=rcfg.temperature,
-      top_k=rcfg.top_k, stop_tokens=chat.stop_ids(), pad_id=TOK.pad_id,
+      top_k=rcfg.top_k, stop_tokens=chat.stop_ids(tok), pad_id=tok.pad_id,
     )  # fmt: skip
     ids_BN, n_B = jax.device_get((out.tokens, out.lengths))
     for b in range(min(chunk, len(rows) - start)):
-      call = chat.parse_tool_call(ids_BN[b, : int(n_B[b])].tolist())
+      call = chat.parse_tool_call(ids_BN[b, : int(n_B[b])].tolist(), tok)
       ok[start + b] = envs[part[b][0]].check(call) == ""
   return ok.reshape(len(contexts), samples)
 
@@ -188,7 +198,9 @@ def _logp_rows(params: Any, cfg: model.ModelConfig, rows: Sequence[Sequence[int]
   return out
 
 
-def decision_stats(params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagged]) -> list[dict]:
+def decision_stats(
+  params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagged], tok: Tokenizer = TOK
+) -> list[dict]:
   """Per flagged turn with a decision token j: p(mistake) under student and teacher, valid mass at j
   and on the valid prefix (positions < j) under both."""
   items = []
@@ -196,7 +208,7 @@ def decision_stats(params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagge
     s, e = f.traj.spans[f.k]
     pos = [p for p in range(s, e) if f.traj.loss_mask[p]]
     ids = [f.traj.tokens[p] for p in pos]
-    j = decision_index(ids, _arity(f.env))
+    j = decision_index(ids, _arity(f.env), tok)
     if j is not None:
       items.append((f, pos, ids, j))
   if not items:
@@ -210,7 +222,7 @@ def decision_stats(params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagge
 
     def mass(lp, i, shift, pos=pos, ids=ids, arity=arity):
       """Probability of the tokens that keep the prefix ids[:i] valid, at the position predicting ids[i]."""
-      return float(np.exp(lp[pos[i] - 1 + shift, valid_next(ids[:i], arity)]).sum())
+      return float(np.exp(lp[pos[i] - 1 + shift, valid_next(ids[:i], arity, tok)]).sum())
 
     out.append({
       "kind": f.kind,
@@ -307,7 +319,7 @@ def run(params: Any, cfg: model.ModelConfig, rcfg: RLConfig, gcfg: GateConfig) -
   )  # fmt: skip
   F = len(flagged)
   valid = {c: ok[i * F : (i + 1) * F].mean(1) for i, c in enumerate(CONDITIONS)}
-  decisions = decision_stats(params, cfg, flagged)
+  decisions = decision_stats(params, cfg, flagged, chat.tokenizer(rcfg.tokenizer))
   rows = {id(f.traj) for f in flagged}
   report = evaluate(valid, decisions, trajs, {i for i, t in enumerate(trajs) if id(t) in rows}, gcfg)
   kinds = sorted({f.kind for f in flagged})

@@ -18,7 +18,7 @@ import numpy as np
 
 from composer_jax import model
 from composer_jax.configs import RLConfig
-from composer_jax.rl import envs, feedback
+from composer_jax.rl import chat, envs, feedback
 from composer_jax.rl.batch import feedback_rules, rl_batch, without_feedback
 from composer_jax.rl.rollout import collect, rollout_stats
 from composer_jax.train import loop
@@ -69,6 +69,7 @@ def fit(
     cap = rcfg.feedback_rows
     batch = rl_batch(
       trajs, groups, infos, with_feedback=use_fb, rules=rules, variant=rcfg.hint, rows_cap=cap,
+      tok=chat.tokenizer(rcfg.tokenizer),
       min_len=rcfg.batch_min_len,
     )  # fmt: skip
     n_fb_rows = int(np.sum(batch["teacher_lengths"] > 0)) if use_fb else 0

@@ -36,10 +36,11 @@ def collect(
   seeds: Sequence[int],
   key: jax.Array,
   rcfg: RLConfig,
-  tok: Tokenizer = chat.BYTE_TOKENIZER,
+  tok: Tokenizer | None = None,
 ) -> list[chat.Trajectory]:
   """One episode per (env, seed), all rows in lockstep through one KV cache. Never raises for one row."""
   B = len(env_list)
+  tok = chat.tokenizer(rcfg.tokenizer) if tok is None else tok
   trajs = [envs.begin(env, s, tok) for env, s in zip(env_list, seeds, strict=True)]
   header = chat.role_token_id(chat.ASSISTANT, tok)
   live = [t.status != chat.FAILED for t in trajs]

@@ -37,14 +37,16 @@ def pad_length(n: int, multiple: int = 32) -> int:
 
 
 def sft_batch(
-  rows: Sequence[chat.Trajectory | Sequence[chat.Trajectory]], pad_to: int
+  rows: Sequence[chat.Trajectory | Sequence[chat.Trajectory]],
+  pad_to: int,
+  pad_id: int = chat.BYTE_TOKENIZER.pad_id,
 ) -> dict[str, np.ndarray]:
   """Padded arrays, one row per demo or per list of demos packed into one row (segment ids 1, 2, ...;
   positions restart per demo, and attention never crosses a segment). `target_mask[b, t]` = loss_mask of
   token t+1 (logits at t predict it) when t+1 is in t's demo, else 0."""
   packed = [[r] if isinstance(r, chat.Trajectory) else list(r) for r in rows]
   out = {k: np.zeros((len(packed), pad_to), np.int32) for k in ("tokens", "positions", "segment_ids")}
-  out["tokens"][:] = chat.BYTE_TOKENIZER.pad_id
+  out["tokens"][:] = pad_id
   mask = np.zeros((len(packed), pad_to), np.float32)
   for b, demos in enumerate(packed):
     at = 0
@@ -121,6 +123,7 @@ def fit(
   writer: metrics_lib.MetricsWriter | None = None,
   save: Callable[[TrainState, bool], None] | None = None,
   check: Callable[[], None] | None = None,
+  pad_id: int = chat.BYTE_TOKENIZER.pad_id,
 ) -> tuple[TrainState, dict]:
   """Trains from `state.step` to `scfg.steps` on random batches of `demos` (the batch of step s is a pure
   function of (seed, s), so a resumed run sees the same data): `batch_size` rows, each one demo, or with
@@ -131,9 +134,9 @@ def fit(
     rng = np.random.default_rng([seed, s])
     if scfg.pack_len:
       rows = pack_rows(demos, scfg.batch_size, pad_to, rng)
-      return sft_batch(rows, pad_to), {"demos": float(sum(len(r) for r in rows))}
+      return sft_batch(rows, pad_to, pad_id), {"demos": float(sum(len(r) for r in rows))}
     idx = rng.choice(len(demos), size=scfg.batch_size, replace=len(demos) < scfg.batch_size)
-    return sft_batch([demos[i] for i in idx], pad_to), {}
+    return sft_batch([demos[i] for i in idx], pad_to, pad_id), {}
 
   hooks = loop.Hooks(
     next_batch=next_batch,

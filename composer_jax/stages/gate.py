@@ -29,6 +29,8 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   cfg = configs.rl_model(config)
   params = sft.load_params(workdir, cfg)
   if params is None:
+    params = sft.checkpoint_params(config)
+  if params is None:
     raise FileNotFoundError(f"no SFT checkpoint under {workdir}/sft: run stage sft first")
   report = gate.run(params, cfg, config.rl, config.gate)
   failed = [k for k, g in report.get("gates", {}).items() if not g["pass"]]
@@ -58,9 +60,10 @@ STAGE = Stage(
   name="gate",
   run=run,
   doc="does the hinted teacher beat the student on flagged turns? (G1-G5, on the SFT checkpoint, before RL)",
-  depends=("seed", "model", "gate", "rl"),
+  depends=("seed", "model", "gate", "rl", "init_from"),
   outputs=("gate.json",),
   upstream=lambda config: ("sft",),
+  check=lambda config: sft.STAGE.check(config),  # the same model and chat tokenizer
   summarize=_summarize,
   lines=_lines,
 )

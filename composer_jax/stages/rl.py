@@ -68,7 +68,7 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
   metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
   notes = {"total_steps": ocfg.total_steps}
   with outputs.opened(pathlib.Path(workdir, name), record, rcfg.keep_checkpoints, metrics_dir, notes) as out:
-    state = _start(state, out, tx, workdir, cfg, name, ocfg)
+    state = _start(state, out, tx, config, workdir, name, ocfg)
     logging.info(
       "[%s] env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s (%s, %s form, %s "
       "teacher, %s tokens, %s hint)",
@@ -115,20 +115,27 @@ def eval_history(path: pathlib.Path) -> list[dict]:
   ]
 
 
-def _start(state: Any, out: outputs.Outputs, tx: Any, workdir: str, cfg: Any, name: str, ocfg: Any) -> Any:
-  """The arm's own newest good checkpoint, else the SFT params with a fresh optimizer state."""
+def _start(
+  state: Any, out: outputs.Outputs, tx: Any, config: Config, workdir: str, name: str, ocfg: Any
+) -> Any:
+  """The arm's own newest good checkpoint, else the SFT params (or `init_from`'s weights) with a fresh
+  optimizer state."""
   from composer_jax import train
 
   state, resumed = outputs.resume(out, state, name, ocfg)
   if resumed is not None:
     return state
-  params = sft.load_params(workdir, cfg)
-  if params is None:
+  params = sft.load_params(workdir, configs.rl_model(config))
+  if params is not None:
+    logging.info("[%s] starting from the SFT checkpoint in %s/sft", name, workdir)
+  elif config.init_from:
+    logging.info("[%s] no SFT checkpoint under <workdir>/sft: starting from init_from's weights", name)
+    params = sft.checkpoint_params(config)
+  else:
     logging.warning(
       "[%s] no SFT checkpoint under <workdir>/sft: starting from random weights (run sft first)", name
     )
     return state
-  logging.info("[%s] starting from the SFT checkpoint in %s/sft", name, workdir)
   return train.TrainState(step=state.step, params=params, opt_state=tx.init(params))
 
 
@@ -262,7 +269,7 @@ STAGE = Stage(
   run=run,
   check=_check,
   doc="multi-turn RL with targeted text feedback from the SFT checkpoint (and the same run without)",
-  depends=("seed", "model", "optim", "rl"),
+  depends=("seed", "model", "optim", "rl", "init_from"),
   outputs=("rl", "rl_metrics", "rl_episodes", "rl_nofb", "rl_nofb_metrics", "rl_nofb_episodes", "rl.json"),
   upstream=lambda config: ("sft", "synth") if config.rl.env == "coding" else ("sft",),
   extends=tuple(f"rl.{k}" for k in configs.CADENCE),

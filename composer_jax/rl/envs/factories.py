@@ -80,13 +80,15 @@ def fixed_set(rcfg: RLConfig, n: int, seed: int = 12345) -> tuple[list[Env], lis
 def demonstrations(rcfg: RLConfig, scfg: SFTConfig, seed: int) -> list:
   """The SFT corpus: the stale-docs demonstrations for `stale`, the toy's otherwise (coding has none:
   the small model learns the turn format on the toy)."""
+  from composer_jax.rl import chat
   from composer_jax.rl.envs import stale, toy
 
+  tok = chat.tokenizer(rcfg.tokenizer)
   if rcfg.env == "stale":
     cfg = stale.StaleConfig(max_ops=rcfg.stale.max_ops, max_turns=rcfg.max_turns)
-    return stale.demonstrations(scfg.demos, seed=seed, cfg=cfg)
+    return stale.demonstrations(scfg.demos, seed=seed, cfg=cfg, tok=tok)
   return toy.demonstrations(
-    scfg.demos, seed=seed, mistake_fraction=scfg.mistake_fraction, hint_fraction=scfg.hint_fraction
+    scfg.demos, seed=seed, mistake_fraction=scfg.mistake_fraction, hint_fraction=scfg.hint_fraction, tok=tok
   )
 
 
