@@ -1,15 +1,21 @@
-"""RL alone (λ = 0) vs RL + targeted text feedback (λ > 0) on the toy tool env, from one SFT checkpoint.
+"""RL alone vs RL + targeted text feedback vs a null-hint control, paired over seeds, from one SFT checkpoint.
 
-  python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --steps=20 --seeds=0,1,2 \\
-      --out=runs/rl_feedback/summary.md                      # SFT once (cached), then 2 arms x 3 seeds
-  python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --coding_only   # coding env, 1 RL step
+  python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --seeds=0,1,2,3,4,5 --steps=30 \\
+      --out=runs/rl_feedback/summary.md          # SFT once (cached), the gate, then 3 arms x 6 seeds
+  python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --coding_only     # coding env, 1 RL step
 
-Per step and seed: mean reward and invalid-tool-call rate (invalid calls ÷ calls) of the step's rollouts
-(before its update). Plots: benchmarks/plots/rl_feedback_{reward,invalid}.png (mean over seeds, band =
-min..max). Also the RL step time with feedback ÷ without: the same rollout batch through both jitted
-steps (compiled first, median of repeats), and the in-loop update times. `--coding` adds one RL step on
-the coding env over the synthetic fixture task of tests/test_synth_tasks.py (needs bubblewrap).
-Models and settings: experiments/composer25.py `rl.model` overrides, one CPU device (meshes None).
+Arms (`--arms`): `alone` (λ = 0), `feedback` (the config's feedback settings), `null` (the same loss, a
+neutral note as the "hint": `rl.hint=null`). Within a seed every arm starts from the same SFT checkpoint
+and sees the same problems and sampling keys at every step (pure functions of (rl.seed, step)); all arms
+are scored on one fixed set of new problems (`--eval_problems`, every `--eval_every` steps).
+
+Primary metrics per seed: the fixed-set reward after the last step and the area under the fixed-set
+reward curve (`rl.stats.curve_mean`: trapezoid ÷ step range). The comparison passes when the one-sided
+exact Wilcoxon signed-rank test of feedback − alone gives p ≤ 0.05 on both, the mean improvement is ≥ 0.10
+on both, the final invalid-call rate with feedback is at or below RL alone's in every seed, and the null arm
+does not beat RL alone (p > 0.05 and mean final-reward difference < 0.05). Results are saved after every
+run (`<workdir>/rl_feedback<tag>.json`); a rerun skips the (arm, seed) pairs already there.
+Plots: benchmarks/plots/rl_feedback_{eval,invalid,train}<tag>.png.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -35,13 +40,16 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 
 from composer_jax import configs, optim, train  # noqa: E402
-from composer_jax.rl import batch as rl_batch_lib  # noqa: E402
 from composer_jax.rl import loop as rl_loop  # noqa: E402
-from composer_jax.rl import rollout  # noqa: E402
+from composer_jax.rl import rollout, stats  # noqa: E402
 from composer_jax.rl import step as rl_step  # noqa: E402
 from composer_jax.rl.envs import factories  # noqa: E402
+from composer_jax.stages import gate as gate_stage  # noqa: E402
 from composer_jax.stages import rl as rl_stage  # noqa: E402
 from composer_jax.stages import sft as sft_stage  # noqa: E402
+
+ARMS = ("alone", "feedback", "null")
+LABEL = {"alone": "RL alone", "feedback": "RL + feedback", "null": "RL + null hint"}
 
 
 def experiment_config():
@@ -53,52 +61,29 @@ def experiment_config():
 
 def fresh_state(config, cfg, rcfg, params):
   ocfg = rl_stage.rl_optimizer(config, rcfg)
-  tx = optim.build_optimizer(cfg, ocfg, None)
-  tx = rl_step.teacher_optimizer(tx, rcfg)
+  tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, None), rcfg)
+  params = jax.tree.map(lambda x: x.copy(), params)  # the steps donate their state
   state = train.TrainState(
     step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params)
   )
   return state, tx, optim.lr_schedule(ocfg)
 
 
-def copy_params(params):
-  return jax.tree.map(lambda x: x.copy(), params)  # the steps donate their state
+def arm_config(base: configs.RLConfig, arm: str, seed: int) -> configs.RLConfig:
+  if arm == "alone":
+    return dataclasses.replace(base, lambda_feedback=0.0, seed=seed)
+  return dataclasses.replace(base, seed=seed, hint="null" if arm == "null" else "task")
 
 
-def run_arm(config, cfg, rcfg, params, log):
-  state, tx, schedule = fresh_state(config, cfg, rcfg, copy_params(params))
+def run_arm(config, cfg, rcfg, params):
+  state, tx, schedule = fresh_state(config, cfg, rcfg, params)
   steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
   evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
-  _, summary = rl_loop.fit(state, steps, factories.toy_envs(rcfg), cfg, rcfg, evaluate=evaluate)
-  return summary["history"], summary["evals"]
+  _, summary = rl_loop.fit(state, steps, factories.seeded_envs(rcfg), cfg, rcfg, evaluate=evaluate)
+  return {"history": summary["history"], "evals": summary["evals"], "seconds": summary["seconds"]}
 
 
-def step_time_ratio(config, cfg, rcfg, params, repeats=5):
-  """Median seconds of the jitted step on the same batch with the teacher vs without."""
-  env_list, seeds, groups = factories.toy_envs(rcfg)(10_000)
-  trajs = rollout.collect(params, cfg, env_list, seeds, jax.random.key(7), rcfg)
-  batch = rl_batch_lib.rl_batch(trajs, groups, [e.info() for e in env_list], with_feedback=True)
-  base = {k: v for k, v in batch.items() if k in rl_batch_lib.BASE_KEYS}
-  out = {}
-  for fb, b in ((False, base), (True, batch)):
-    state, tx, schedule = fresh_state(config, cfg, rcfg, copy_params(params))
-    step = rl_step.make_rl_step(
-      cfg, tx, schedule, dataclasses.replace(rcfg, lambda_feedback=0.5), with_feedback=fb
-    )
-    state, m = step(state, b)  # compile
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      state, m = step(state, b)
-      jax.block_until_ready(m)
-      times.append(time.perf_counter() - t0)
-    out[fb] = statistics.median(times)
-  n_fb = int(np.sum(batch["teacher_lengths"] > 0))
-  return out[True] / out[False], out, n_fb, batch["tokens"].shape, batch["teacher_tokens"].shape
-
-
-def coding_check(config, cfg, params, workdir, log):
+def coding_check(config, cfg, params, workdir):
   """One RL step on the coding env over the fixture task(s): rollouts, sandboxed grading, monitor, update."""
   sys.path.insert(0, str(ROOT / "tests"))
   from test_synth_tasks import fixture_env  # the fixture repository of the synth tests
@@ -110,7 +95,7 @@ def coding_check(config, cfg, params, workdir, log):
   task_list = tasks.make_tasks(src, venv=venv, max_tasks=2, runs=2)
   rcfg = configs.RLConfig(
     env="coding", steps=1, problems_per_step=len(task_list), group_size=2, max_turns=3, max_turn_tokens=48,
-    cache_len=4096, lambda_feedback=0.5,
+    cache_len=4096, lambda_feedback=1.0,
   )  # fmt: skip
   ccfg = coding.CodingConfig(max_turns=rcfg.max_turns, max_output_chars=400, tool_timeout_s=60.0)
   root = pathlib.Path(workdir, "coding_episodes")
@@ -125,215 +110,230 @@ def coding_check(config, cfg, params, workdir, log):
       [i for i in range(len(task_list)) for _ in range(2)],
     )
 
-  state, tx, schedule = fresh_state(config, cfg, rcfg, copy_params(params))
+  state, tx, schedule = fresh_state(config, cfg, rcfg, params)
   steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
   t0 = time.perf_counter()
   _, summary = rl_loop.fit(state, steps, make, cfg, rcfg)
   return {"tasks": [t.instance_id for t in task_list], "seconds": time.perf_counter() - t0, **summary}
 
 
-def band(histories, key):
-  arr = np.array([[h[key] for h in hist] for hist in histories])  # [seeds, steps]
-  return arr.mean(0), arr.min(0), arr.max(0), arr
+# ---- statistics and report ---------------------------------------------------------------------------
 
 
-def summarise_evals(evals):
-  """Fixed-set evaluation: reward and invalid-call rate before RL and after the last step, per arm."""
-  lines = [
-    "| arm (fixed eval set) | reward, step 0 | reward, end | invalid-call rate, step 0 | invalid, end |",
-    "|---|---|---|---|---|",
+def per_seed(runs: dict) -> dict:
+  """{arm: {seed: {final, auc, invalid, invalid0, reward0}}} from the fixed-set evaluations."""
+  out = {}
+  for arm, by_seed in runs.items():
+    out[arm] = {}
+    for seed, r in by_seed.items():
+      ev = r["evals"]
+      out[arm][seed] = {
+        "final": ev[-1]["reward"],
+        "auc": stats.curve_mean([e["step"] for e in ev], [e["reward"] for e in ev]),
+        "invalid": ev[-1]["invalid_call_rate"],
+        "reward0": ev[0]["reward"],
+        "invalid0": ev[0]["invalid_call_rate"],
+      }
+  return out
+
+
+def verdict(table: dict) -> tuple[list[str], bool]:
+  """The comparison's criteria (module docstring) as lines, and whether all hold."""
+  lines, ok = [], True
+  seeds = sorted(set(table.get("alone", {})) & set(table.get("feedback", {})), key=int)
+  if not seeds:
+    return ["- no paired seeds yet"], False
+  for key, name in (("final", "final fixed-set reward"), ("auc", "area under the eval curve")):
+    d = [table["feedback"][s][key] - table["alone"][s][key] for s in seeds]
+    w, p = stats.wilcoxon_greater(d)
+    good = p <= 0.05 and np.mean(d) >= 0.10
+    ok &= good
+    lines.append(
+      f"- {name}, feedback - alone over {len(seeds)} seeds: mean {np.mean(d):+.3f} (min {min(d):+.3f}), "
+      f"one-sided Wilcoxon W+ = {w:.0f}, p = {p:.4f}: {'pass' if good else 'FAIL'} "
+      "(need p <= 0.05, mean >= 0.10)"
+    )
+  worse = [s for s in seeds if table["feedback"][s]["invalid"] > table["alone"][s]["invalid"]]
+  ok &= not worse
+  lines.append(
+    f"- final invalid-call rate, feedback <= alone in every seed: {'pass' if not worse else 'FAIL'}"
+    + (f" (seeds {', '.join(worse)} worse)" if worse else "")
+  )
+  nseeds = sorted(set(table.get("alone", {})) & set(table.get("null", {})), key=int)
+  if nseeds:
+    d = [table["null"][s]["final"] - table["alone"][s]["final"] for s in nseeds]
+    w, p = stats.wilcoxon_greater(d)
+    good = not (p <= 0.05 or np.mean(d) >= 0.05)
+    ok &= good
+    lines.append(
+      f"- null hint - alone, final reward over {len(nseeds)} seeds: mean {np.mean(d):+.3f}, p = {p:.4f}: "
+      f"{'pass (does not beat RL alone)' if good else 'FAIL (beats RL alone)'}"
+    )
+  return lines, ok
+
+
+def markdown(table: dict) -> str:
+  arms = [a for a in ARMS if a in table]
+  seeds = sorted({s for a in arms for s in table[a]}, key=int)
+  head = "| seed | " + " | ".join(f"{LABEL[a]}: final / AUC / invalid" for a in arms) + " |"
+  rows = [head, "|---" * (len(arms) + 1) + "|"]
+  for s in seeds:
+    cells = [
+      f"{table[a][s]['final']:.3f} / {table[a][s]['auc']:.3f} / {table[a][s]['invalid']:.3f}"
+      if s in table[a]
+      else "–"
+      for a in arms
+    ]
+    rows.append(f"| {s} | " + " | ".join(cells) + " |")
+  means = [
+    " / ".join(f"{np.mean([table[a][s][k] for s in table[a]]):.3f}" for k in ("final", "auc", "invalid"))
+    for a in arms
   ]
-  for arm, runs in evals.items():
-    cells = [arm]
-    for key in ("reward", "invalid_call_rate"):
-      first = np.array([r[0][key] for r in runs])
-      last = np.array([r[-1][key] for r in runs])
-      cells += [f"{first.mean():.3f} ± {first.std():.3f}", f"{last.mean():.3f} ± {last.std():.3f}"]
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines)
+  rows.append("| mean | " + " | ".join(means) + " |")
+  return "\n".join(rows)
 
 
-def plot(results, key, label, path, x=None):
+def plot(runs: dict, plots: pathlib.Path, tag: str) -> list[str]:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(6, 3.6))
-  for arm, histories in results.items():
-    mean, lo, hi, _ = band(histories, key)
-    xs = np.array([h[x] for h in histories[0]]) if x else np.arange(1, len(mean) + 1)
-    ax.plot(xs, mean, label=f"{arm} (mean of {len(histories)} seeds)")
-    ax.fill_between(xs, lo, hi, alpha=0.2)
-  ax.set_xlabel("RL step")
-  ax.set_ylabel(label)
-  ax.legend()
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  paths = []
+  for key, src, label, name in (
+    ("reward", "evals", "fixed-set reward", "eval"),
+    ("invalid_call_rate", "evals", "fixed-set invalid-call rate", "invalid"),
+    ("reward", "history", "training reward (each step's rollouts)", "train"),
+  ):
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for i, (arm, by_seed) in enumerate(runs.items()):
+      curves = [r[src] for r in by_seed.values()]
+      xs = np.array([e["step"] for e in curves[0]])
+      ys = np.array([[e[key] for e in c] for c in curves if len(c) == len(xs)])
+      for y in ys:
+        ax.plot(xs, y, color=f"C{i}", alpha=0.25, lw=0.8)
+      ax.plot(xs, ys.mean(0), color=f"C{i}", lw=2, label=f"{LABEL[arm]} (mean of {len(ys)} seeds)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = plots / f"rl_feedback_{name}{tag}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
+  return paths
 
 
-def summarise(results, k=3):
-  lines = [
-    "| arm | reward first " + f"{k} steps | reward last {k} steps | invalid-call rate first {k} | "
-    f"invalid-call rate last {k} | feedback turns/rollout (mean) |",
-    "|---|---|---|---|---|---|",
-  ]
-  for arm, histories in results.items():
-    cells = [arm]
-    for key in ("reward", "invalid_call_rate"):
-      *_, arr = band(histories, key)
-      first, last = arr[:, :k].mean(1), arr[:, -k:].mean(1)  # per seed
-      cells += [f"{first.mean():.3f} ± {first.std():.3f}", f"{last.mean():.3f} ± {last.std():.3f}"]
-    cells.append(f"{band(histories, 'feedback_turns_per_rollout')[0].mean():.3f}")
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines)
+# ---- main ------------------------------------------------------------------------------------------
+
+
+_EVAL_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate")
+_STEP_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate", "feedback_turns_per_rollout", "entropy")
+
+
+def compact(runs: dict) -> dict:
+  """The curves the notebook and RESULTS read: fixed-set evals and a few per-step training numbers."""
+  return {
+    arm: {
+      seed: {
+        "evals": [{k: e[k] for k in _EVAL_KEYS if k in e} for e in r["evals"]],
+        "history": [{k: h[k] for k in _STEP_KEYS if k in h} for h in r["history"]],
+      }
+      for seed, r in by_seed.items()
+    }
+    for arm, by_seed in runs.items()
+  }
+
+
+def parse():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", default="runs/rl_feedback")
+  ap.add_argument("--seeds", default="0,1,2,3,4,5")
+  ap.add_argument("--arms", default="alone,feedback,null")
+  ap.add_argument("--steps", type=int, default=30)
+  ap.add_argument("--eval_every", type=int, default=5)
+  ap.add_argument("--eval_problems", type=int, default=128)
+  ap.add_argument("--gate", action="store_true", help="run the gate on the SFT checkpoint first (gate.json)")
+  ap.add_argument("--set", action="append", default=[], help="override, e.g. --set rl.lambda_feedback=0.5")
+  ap.add_argument("--tag", default="", help="results and plot file suffix")
+  ap.add_argument("--out", default=None, help="also write the markdown summary here")
+  ap.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"))
+  ap.add_argument("--results", default=None, help="also write compact results (and the gate) to this folder")
+  ap.add_argument("--coding_only", action="store_true", help="1 RL step on the coding env, then stop")
+  return ap.parse_args()
+
+
+def build_config(args):
+  cd = configs.to_config_dict(experiment_config())
+  for item in args.set:  # dotted overrides, typed by the dataclasses (strict)
+    path, _, value = item.partition("=")
+    node = cd
+    *parents, leaf = path.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value.lower() == "true"
+  cd.rl.update(steps=args.steps, eval_every=args.eval_every, eval_problems=args.eval_problems)
+  return configs.from_config(cd)
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--workdir", default="runs/rl_feedback")
-  ap.add_argument("--sft_steps", type=int, default=None, help="default: experiments/composer25.py sft.steps")
-  ap.add_argument("--steps", type=int, default=20)
-  ap.add_argument("--seeds", default="0,1,2")
-  ap.add_argument("--lambda_feedback", type=float, default=0.5)
-  ap.add_argument("--problems", type=int, default=8)
-  ap.add_argument("--group", type=int, default=8)
-  ap.add_argument("--lr", type=float, default=None)
-  ap.add_argument("--out", default=None, help="also write the markdown summary here")
-  ap.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"))
-  ap.add_argument("--feedback_kinds", default="", help='e.g. "unknown_tool"; "": FeedbackRules default')
-  ap.add_argument("--arms", default="both", choices=("both", "alone", "feedback"))
-  ap.add_argument("--feedback_mode", default=None, choices=rl_step.FEEDBACK_MODES)
-  ap.add_argument("--teacher", default=None, choices=rl_step.TEACHERS)
-  ap.add_argument("--objective", default=None)
-  ap.add_argument("--dynamic_sampling", action="store_true")
-  ap.add_argument("--warmup", type=int, default=None, help="RL lr warm-up steps")
-  ap.add_argument("--matrix_optimizer", default=None, choices=("muon", "adamw"))
-  ap.add_argument("--adam_eps", type=float, default=None, help="AdamW epsilon (default: config.optim)")
-  ap.add_argument("--weight_decay", type=float, default=None, help="default: config.optim")
-  ap.add_argument("--router_bias_rate", type=float, default=None, help="default: config.rl")
-  ap.add_argument("--eval_every", type=int, default=5, help="fixed-set evaluation every N steps; 0 off")
-  ap.add_argument("--eval_problems", type=int, default=64)
-  ap.add_argument("--skip_ratio", action="store_true", help="skip the step-time ratio measurement")
-  ap.add_argument("--tag", default="", help="plot file suffix")
-  ap.add_argument("--coding", action="store_true", help="also run 1 RL step on the coding env")
-  ap.add_argument("--coding_only", action="store_true")
-  args = ap.parse_args()
-
-  config = experiment_config()
-  optim_fields = {
-    f: getattr(args, f) for f in ("matrix_optimizer", "adam_eps", "weight_decay") if getattr(args, f)
-  }
-  config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, **optim_fields))
-  if args.sft_steps is not None:
-    config = dataclasses.replace(config, sft=dataclasses.replace(config.sft, steps=args.sft_steps))
+  args = parse()
+  config = build_config(args)
   cfg = configs.rl_model(config)
   workdir = str(pathlib.Path(args.workdir).absolute())
   params = sft_stage.load_params(workdir, cfg)
   if params is None:
     sft_stage.run(config, workdir)
     params = sft_stage.load_params(workdir, cfg)
-  sft_info = (
-    json.loads(pathlib.Path(workdir, "sft.json").read_text())
-    if pathlib.Path(workdir, "sft.json").exists()
-    else {}
-  )
-  report = ["## RL + targeted text feedback vs RL alone (toy tool env)", ""]
-  if sft_info:
-    for name in ("sampled", "greedy"):
-      ev = sft_info.get(f"eval_{name}")
-      if ev:
-        report.append(
-          f"- SFT checkpoint ({sft_info['steps']} steps), {name}: pass rate {ev['pass_rate']:.2f}, "
-          f"invalid-call rate {ev['invalid_call_rate']:.3f}, turns/rollout {ev['turns_per_rollout']:.2f}"
-        )
-
-  if args.coding or args.coding_only:
-    res = coding_check(config, cfg, params, workdir, print)
-    h = res["history"]
-    line = f"- coding env, tasks {res['tasks']}, 1 RL step ({len(res['tasks'])}x2 rollouts): " + (
-      f"reward {h[0]['reward']:.2f}, invalid-call rate {h[0]['invalid_call_rate']:.2f}, failed rollouts "
-      f"{int(h[0]['failed_rollouts'])}, feedback turns/rollout {h[0]['feedback_turns_per_rollout']:.2f}, "
-      f"update finite loss {np.isfinite(h[0]['loss'])}, {res['seconds']:.0f}s"
-      if h
-      else f"step failed ({res['failed_steps']} failed steps)"
+  if args.coding_only:
+    res = coding_check(config, cfg, params, workdir)
+    print(
+      json.dumps({k: v for k, v in res.items() if k != "history"} | {"history": res["history"]}, default=str)
     )
-    report.append(line)
-    print(line, flush=True)
-    if args.coding_only:
-      print("\n".join(report))
-      return
-
-  base = dataclasses.replace(
-    config.rl,
-    steps=args.steps,
-    problems_per_step=args.problems,
-    group_size=args.group,
-    feedback_kinds=args.feedback_kinds,
-  )
-  for field in ("lr", "feedback_mode", "teacher", "objective", "router_bias_rate"):
-    if getattr(args, field) is not None:
-      base = dataclasses.replace(base, **{field: getattr(args, field)})
-  if args.dynamic_sampling:
-    base = dataclasses.replace(base, dynamic_sampling=True)
-  base = dataclasses.replace(base, eval_every=args.eval_every, eval_problems=args.eval_problems)
-  if args.warmup is not None:
-    base = dataclasses.replace(base, warmup_steps=args.warmup)
-  ratio, times, n_fb, shape, tshape = (
-    (float("nan"), {True: float("nan"), False: float("nan")}, 0, (), ())
-    if args.skip_ratio
-    else step_time_ratio(config, cfg, base, params)
-  )
-  seeds = [int(s) for s in args.seeds.split(",")]
-  results, evals = {}, {}
-  arms = [("RL alone", 0.0), (f"RL + feedback (λ={args.lambda_feedback})", args.lambda_feedback)]
-  arms = {"both": arms, "alone": arms[:1], "feedback": arms[1:]}[args.arms]
-  for arm, lam in arms:
-    results[arm] = []
-    for seed in seeds:
-      rcfg = dataclasses.replace(base, lambda_feedback=lam, seed=seed)
-      print(f"== {arm}, seed {seed}", flush=True)
-      hist, ev = run_arm(config, cfg, rcfg, params, print)
-      results[arm].append(hist)
-      evals.setdefault(arm, []).append(ev)
+    return
+  report = [f"## RL alone vs RL + feedback vs null hint ({config.rl.env} env){args.tag}", ""]
+  if args.gate:
+    g = gate_stage.run(config, workdir)
+    report += [f"- gate: {'PASS' if g['passed'] else 'FAIL'}"] + [
+      f"  - {k} {'pass' if v['pass'] else 'FAIL'}: {v['why']}" for k, v in g.get("gates", {}).items()
+    ]
+  path = pathlib.Path(workdir, f"rl_feedback{args.tag}.json")
+  runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+  for arm in args.arms.split(","):
+    for seed in args.seeds.split(","):
+      if seed in runs.get(arm, {}):
+        continue
+      print(f"== {LABEL[arm]}, seed {seed}", flush=True)
+      runs.setdefault(arm, {})[seed] = run_arm(config, cfg, arm_config(config.rl, arm, int(seed)), params)
+      path.write_text(json.dumps({"runs": runs, "rl": configs.plain(config.rl)}, indent=1, default=str))
+  table = per_seed(runs)
+  lines, ok = verdict(table)
   plots = pathlib.Path(args.plots)
   plots.mkdir(parents=True, exist_ok=True)
-  plot(results, "reward", "mean reward", plots / f"rl_feedback_reward{args.tag}.png")
-  plot(results, "invalid_call_rate", "invalid calls / calls", plots / f"rl_feedback_invalid{args.tag}.png")
-  if args.eval_every > 0:
-    plot(evals, "reward", "eval reward (fixed problems)", plots / f"rl_feedback_eval{args.tag}.png", x="step")
-    report_evals = summarise_evals(evals)
-  else:
-    report_evals = ""
-  upd = {  # the first step of each run compiles
-    arm: statistics.median([h["step_s"] for hist in hs for h in hist[1:]] or [float("nan")])
-    for arm, hs in results.items()
-  }
+  r = config.rl
   report += [
-    f"- {len(seeds)} seeds per arm, {args.steps} RL steps x {args.problems} problems x {args.group} "
-    f"rollouts, {base.objective}/{base.advantage}, lr {base.lr}, temperature {base.temperature}, "
-    f"feedback_mode {base.feedback_mode}, teacher {base.teacher}, dynamic_sampling {base.dynamic_sampling}; "
-    "mean ± std over seeds of each seed's mean over the first / last 3 steps "
-    "(rollouts before that step's update)",
+    f"- {r.steps} RL steps x {r.problems_per_step} problems x {r.group_size} rollouts, {r.objective}, "
+    f"lr {r.lr}; "
+    f"feedback: λ {r.lambda_feedback}, {r.feedback_mode} form, {r.divergence}, {r.teacher} teacher, "
+    f"{r.feedback_tokens} tokens (threshold {r.divergence_threshold}), clip {r.feedback_clip}; fixed set "
+    f"{r.eval_problems} problems every {r.eval_every} steps",
     "",
-    summarise(results),
+    markdown(table),
     "",
-    report_evals,
-    "",
-    f"- RL step time with feedback ÷ without: {ratio:.2f}x (same batch {shape} with {n_fb} feedback rows, "
-    f"teacher extension {tshape}; {times[True]:.3f}s vs {times[False]:.3f}s, median of 5 after compile)",
-    "- in-loop median update seconds: " + ", ".join(f"{a}: {s:.2f}s" for a, s in upd.items()),
-    f"- plots: {plots / f'rl_feedback_reward{args.tag}.png'}, {plots / f'rl_feedback_invalid{args.tag}.png'}",
-    f"- feedback kinds: {base.feedback_kinds or 'FeedbackRules default'}",
+    *lines,
+    f"- comparison: {'PASS' if ok else 'FAIL'}",
+    "- plots: " + ", ".join(plot(runs, plots, args.tag)),
   ]
+  if args.results:
+    out = pathlib.Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    body = {"runs": compact(runs), "rl": configs.plain(config.rl), "sft": configs.plain(config.sft)}
+    (out / f"rl_feedback{args.tag}.json").write_text(json.dumps(body, indent=None, default=str) + "\n")
+    if pathlib.Path(workdir, "gate.json").exists():
+      (out / f"rl_feedback_gate{args.tag}.json").write_text(pathlib.Path(workdir, "gate.json").read_text())
   text = "\n".join(report)
   print(text, flush=True)
-  raw = {arm: hs for arm, hs in results.items()}
-  pathlib.Path(workdir, f"rl_feedback{args.tag}.json").write_text(
-    json.dumps({"results": raw, "evals": evals, "ratio": ratio}, indent=1)
-  )
   if args.out:
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(text + "\n")

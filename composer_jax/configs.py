@@ -32,6 +32,7 @@ __all__ = [
   "ConfigError",
   "DataConfig",
   "DemoConfig",
+  "GateConfig",
   "MeshConfig",
   "ModelConfig",
   "OptimizerConfig",
@@ -39,6 +40,7 @@ __all__ = [
   "RLConfig",
   "RopeConfig",
   "SFTConfig",
+  "StaleEnvConfig",
   "SynthConfig",
   "TrainConfig",
   "check_batch",
@@ -148,14 +150,16 @@ class SynthConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """The `sft` stage: warm-up of the small RL model on toy tool-use demonstrations (`rl.sft`).
+  """The `sft` stage: warm-up of the small RL model on tool-use demonstrations of `rl.env` (`rl.sft`).
 
-  ~1 s/step on 2 CPU cores. Sampled pass / invalid-call rate on fresh problems: 60 steps 0.06 / 0.23,
-  150 steps 0.45 / 0.02 (greedy 0.70), 300 steps 0.98 / 0.00 (benchmarks/RESULTS.md).
+  Stale-docs env, 300 packed steps: the hinted teacher makes 97-99 % of flagged turns valid (the gate),
+  unflagged rollouts pass ~0.8 (benchmarks/RESULTS.md, issue 13). Toy env (one demo per row, 32 rows):
+  60 steps pass 0.06, 150 steps 0.45, 300 steps 0.98.
   """
 
-  steps: int = 60
-  batch_size: int = 32
+  steps: int = 300
+  batch_size: int = 16  # rows per step
+  pack_len: int = 256  # > 0: each row packs random demos up to this many tokens (~2); 0: one demo per row
   demos: int = 2000  # demonstrations generated once (seeded); batches sample from them
   lr: float = 3e-3
   warmup_steps: int = 10
@@ -166,6 +170,16 @@ class SFTConfig:
   hint_fraction: float = 0.7  # of those, share followed by the hint message
   router_bias_rate: float = 1e-3
   eval_problems: int = 64  # fresh toy problems rolled out after SFT (sampled and greedy); 0 skips
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleEnvConfig:
+  """`rl.env="stale"`: arithmetic through tools whose docs may name a retired tool (`rl.envs.stale`)."""
+
+  rate: float = 0.3  # per tool: P(the prompt documents its retired name); ~36 % of episodes need one
+  invalid_penalty: float = 0.25  # reward lost per invalid call
+  max_errors: int = 1  # the episode ends at the first invalid call (retries let RL alone find the rule)
+  max_ops: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,25 +214,32 @@ RL_MODEL = dict(
 class RLConfig:
   """The `rl` stage and `rl.loop.fit`: rollouts, objective, targeted text feedback, schedule."""
 
-  env: str = "toy"  # "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
-  # The one-command default shows the mechanics in minutes; the measured recipe in which reward rises
-  # (benchmarks/RESULTS.md): --config.sft.steps=150 --config.rl.problems_per_step=32.
+  env: str = "stale"  # "stale" | "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
+  # The one-command default: the stale-docs env, RL alone vs RL + feedback on the same seeds in minutes
+  # (benchmarks/RESULTS.md, issue 13). On the toy env reward rose with --config.rl.problems_per_step=32.
   steps: int = 20
   problems_per_step: int = 8
   group_size: int = 8  # rollouts per problem (one group = one problem seed)
   objective: str = "drgrpo"  # rl.objectives.OBJECTIVES
   advantage: str = "drgrpo"  # rl.objectives.ADVANTAGES
   tis_cap: float = 2.0  # truncated importance sampling against the sampler's log-probs: weight ≤ cap
-  # targeted text feedback
-  lambda_feedback: float = 0.5  # 0: RL alone
-  # "loss": + λ·D(student‖teacher) / its own token count; "advantage": λ·sg(log q − log p) joins the
-  # flagged tokens' advantages. benchmarks/RESULTS.md has what each did.
+  # targeted text feedback (notes/rl.md §5; benchmarks/RESULTS.md has what each setting did)
+  lambda_feedback: float = 1.0  # 0: RL alone; an exchange rate: the term is on the RL objective's scale
+  # "loss": + λ·D(student‖teacher) on the selected tokens, reduced like the policy loss (same count);
+  # "advantage": λ·clip(sg(log q − log p)) joins the selected tokens' advantages (on-policy distillation).
   feedback_mode: str = "loss"
-  divergence: str = "reverse_kl"  # rl.divergence.KINDS
+  divergence: str = "forward_kl"  # rl.divergence.KINDS; forward: the only one that raises a token the
+  # student does not sample (reverse KL's and the sampled-token gradients vanish at p(y) ≈ 1)
   divergence_top_k: int = 0  # 0: full vocabulary
-  feedback_kinds: str = ""  # comma-separated rl.feedback.KINDS to act on; "": FeedbackRules' default
-  teacher: str = "live"  # "live": the current weights (prefix KV reused); "ema": an EMA copy
-  teacher_ema_rate: float = 0.05  # teacher ← (1 − rate)·teacher + rate·params after each step
+  feedback_tokens: str = "first_divergence"  # | "turn": turn k's tokens up to the first where log p − log q
+  divergence_threshold: float = 1.0  # ... exceeds this many nats (inclusive); "turn": all of turn k
+  feedback_clip: float = 2.0  # per-token cap in nats on the divergence (loss) or |log q − log p| (advantage)
+  feedback_kinds: str = ""  # comma-separated rl.feedback.KINDS to act on; "": the environment's own
+  hint: str = "task"  # "task": the detector's hint; "null": a neutral note (the null-hint control arm)
+  feedback_rows: int = 32  # teacher rows per step, fixed (one compiled program); 0: as many as flagged
+  teacher: str = "frozen"  # "frozen": the weights RL starts from (the SFT checkpoint); "live": the current
+  # weights (= the policy at rollout time: one update per batch; prefix KV reused); "ema": an EMA copy
+  teacher_ema_rate: float = 0.01  # "ema": teacher ← (1 − rate)·teacher + rate·params after each step
   dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal leave the policy loss
   eval_every: int = 20  # the fixed problem set, at step 0 and every N steps; 0 off
   eval_problems: int = 64
@@ -229,9 +250,13 @@ class RLConfig:
   # sampling and episodes
   temperature: float = 1.0
   top_k: int = 0  # sampler top-k; 0 off
-  max_turns: int = 6
-  max_turn_tokens: int = 24  # sampled tokens per assistant turn
+  max_turns: int = 4  # the arithmetic envs need at most 3 calls
+  max_turn_tokens: int = 16  # sampled tokens per assistant turn (a call is at most ~12)
   cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
+  batch_min_len: int = 256  # a step's batch is padded to a power of two ≥ this: fewer shapes to compile
+  # "byte" (the small model's byte-level ids) or a checkpoint directory whose tokenizer.json has the chat
+  # format's special tokens (`init_from` sets it; `rl.chat.tokenizer`)
+  tokenizer: str = "byte"
   # bookkeeping
   seed: int = 0
   log_every: int = 1
@@ -245,7 +270,26 @@ class RLConfig:
   model: dict[str, Any] = dataclasses.field(
     default_factory=lambda: dict(RL_MODEL), hash=False, metadata={"overrides": ModelConfig}
   )
+  stale: StaleEnvConfig = StaleEnvConfig()
   coding: CodingEnvConfig = CodingEnvConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+  """The `gate` stage (`rl.gate`): does the hinted teacher beat the student on flagged turns? Before RL."""
+
+  min_flagged: int = 100  # flagged turns (the first per rollout) to collect at least
+  samples: int = 8  # resamples of each flagged turn per context
+  rollouts_per_batch: int = 128
+  max_batches: int = 6
+  seed: int = 777  # problem seeds and sampling keys (apart from the RL steps' and the fixed eval set's)
+  g1_min_gain: float = 0.3  # teacher - student valid rate, with its 95 % CI above 0
+  g2_max_gap: float = 0.05  # |null note - student|
+  g3_min_drop: float = 0.2  # teacher - wrong-content hint
+  g4_min_share: float = 0.8  # turns whose mistake token the teacher makes less likely
+  g4_prefix_tol: float = 0.01  # teacher may not lower the valid prefix's valid mass by more
+  g5_min_gap: float = 0.2  # reward of unflagged - flagged rollouts
+  g5_share: tuple[float, float] = (0.1, 0.6)  # flagged share of rollouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,12 +323,13 @@ class Config:
 
   variant: str = "tiny"
   seed: int = 0
-  stages: str = "pretrain,synth,sft,rl"  # comma-separated, run in order; a rerun skips finished ones
+  stages: str = "pretrain,synth,sft,gate,rl"  # comma-separated, run in order; a rerun skips finished ones
   force: str = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs moved aside
   workdir: str | None = None  # None: run.py's --workdir, else runs/<variant>
   # A Hugging Face DeepseekV3 / Kimi-K2 checkpoint directory (config.json + safetensors): its architecture
-  # replaces model's shapes (model's how-to-compute fields stay), demo and pretrain start from its weights,
-  # and its tokenizer.json, when present, is the data tokenizer.
+  # replaces model's shapes (model's how-to-compute fields stay), every stage starts from its weights (sft,
+  # gate and rl train it as it is, instead of rl.model), and its tokenizer.json, when present, is the data
+  # and chat tokenizer (data.tokenizer, rl.tokenizer).
   init_from: str | None = None
   mesh: MeshConfig = MeshConfig()
   model: ModelConfig = ModelConfig()
@@ -295,6 +340,7 @@ class Config:
   synth: SynthConfig = SynthConfig()
   sft: SFTConfig = SFTConfig()
   rl: RLConfig = RLConfig()
+  gate: GateConfig = GateConfig()
   plan: PlanConfig = PlanConfig()
   compile: CompileConfig = CompileConfig()
 
@@ -341,7 +387,10 @@ def pretrain_optimizer(config: Config) -> OptimizerConfig:
 
 
 def rl_model(config: Config) -> ModelConfig:
-  """The small one-device model of the sft and rl stages: `config.model` with `config.rl.model`."""
+  """The one-device model of the sft and rl stages: `config.model` with `config.rl.model`, or, with
+  `init_from`, the checkpoint's own model as it is (its weights are what sft and rl start from)."""
+  if config.init_from:
+    return config.model
   return dataclasses.replace(config.model, **config.rl.model)
 
 
@@ -367,10 +416,10 @@ def resolve(config: Config) -> Config:
     model = ModelConfig.from_hf(json.loads((d / "config.json").read_text()), **compute)
   except ValueError as e:
     raise ConfigError(f"init_from {str(d)!r}: {e}") from None
-  data = config.data
+  data, rl = config.data, config.rl
   if (d / "tokenizer.json").is_file():
-    data = dataclasses.replace(data, tokenizer=str(d))
-  return dataclasses.replace(config, model=model, data=data)
+    data, rl = dataclasses.replace(data, tokenizer=str(d)), dataclasses.replace(rl, tokenizer=str(d))
+  return dataclasses.replace(config, model=model, data=data, rl=rl)
 
 
 def check_meshes(config: Config) -> None:

@@ -15,6 +15,7 @@ from tiny import TINY
 
 from composer_jax import configs, model, pipeline, sharding
 from composer_jax.data import tokenizer
+from composer_jax.rl import chat
 from composer_jax.train.losses import next_token_logp
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,12 +35,33 @@ def hf_dir(tmp_path_factory) -> pathlib.Path:
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
+  specials = ["</s>", "<pad>", *chat.CHAT_TOKENS]  # the turn format's tokens: sft and rl can run on it
   trainer = trainers.BpeTrainer(
-    vocab_size=264, special_tokens=["</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    vocab_size=270, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
   )
   tok.train_from_iterator([f"def f{i}(x):\n  return x * {i}\n" for i in range(200)], trainer)
   tok.save(str(d / "tokenizer.json"))
   (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+  return d
+
+
+@pytest.fixture(scope="module")
+def plain_hf_dir(hf_dir, tmp_path_factory) -> pathlib.Path:
+  """The same checkpoint with a tokenizer that lacks the chat tokens."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  d = tmp_path_factory.mktemp("hf_plain")
+  for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+    (d / name).write_bytes((hf_dir / name).read_bytes())
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=264, special_tokens=["</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  tok.train_from_iterator(["def f(x):\n  return x\n"] * 20, trainer)
+  tok.save(str(d / "tokenizer.json"))
   return d
 
 
@@ -73,10 +95,12 @@ def test_the_checkpoint_sets_model_and_tokenizer(hf_dir, corpus_dir):
   assert config.model == dataclasses.replace(CFG, init_std=config.model.init_std)
   tok = tokenizer.load(config.data.tokenizer)
   vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
-  assert isinstance(tok, tokenizer.HFTokenizer) and tok.vocab_size == len(vocab) <= 264
+  assert isinstance(tok, tokenizer.HFTokenizer) and tok.vocab_size == len(vocab) <= 272
   assert (tok.eos_id, tok.pad_id) == (0, 1) and tok.decode(tok.encode("def f1(x):")) == "def f1(x):"
-  with pytest.raises(KeyError, match="no <\\|tool_call\\|> token"):
-    tok.special_id("<|tool_call|>")
+  assert config.rl.tokenizer == str(hf_dir) and chat.tokenizer(config.rl.tokenizer).special_id("<|user|>") > 1
+  assert tok.encode("<|user|>") != [tok.special_id("<|user|>")]  # in text, a special's name is text
+  with pytest.raises(KeyError, match="no <\\|nope\\|> token"):
+    tok.special_id("<|nope|>")
 
 
 def test_demo_runs_the_checkpoint_weights(hf_dir, corpus_dir, tmp_path, meshes):
@@ -111,6 +135,54 @@ def _by_path(tree) -> dict:
   return {"/".join(name(k) for k in path): np.asarray(leaf) for path, leaf in flat}
 
 
-def test_sft_and_rl_refuse_init_from_in_one_line(hf_dir, corpus_dir, tmp_path):
-  with pytest.raises(configs.ConfigError, match="the sft and rl stages train the small"):
-    pipeline.run(_config(hf_dir, corpus_dir, "sft"), str(tmp_path))
+def _chat_config(hf_dir, corpus_dir, stages: str):
+  """sft with lr 0 (the weights stay the checkpoint's), then RL: a step or two of each, tiny batches."""
+  c = _config(hf_dir, corpus_dir, stages)
+  c.optim.update(weight_decay=0.0, qk_clip_tau=0.0)
+  c.sft.update(steps=2, lr=0.0, batch_size=2, pack_len=0, demos=8, eval_problems=2, router_bias_rate=0.0)
+  c.rl.update(steps=1, problems_per_step=2, group_size=2, eval_every=0, feedback_rows=2, cache_len=512)
+  c.gate.update(min_flagged=1, samples=2, rollouts_per_batch=4, max_batches=1)
+  return c
+
+
+def test_sft_gate_and_rl_start_from_the_checkpoint_with_its_tokenizer(hf_dir, corpus_dir, tmp_path):
+  """The chat stages run on the checkpoint's model and tokenizer: sft (lr 0) saves the checkpoint's own
+  weights, its demos are made of the checkpoint's ids, and the gate and RL run on top."""
+  from composer_jax.rl.envs import factories
+  from composer_jax.stages import sft
+
+  c = _chat_config(hf_dir, corpus_dir, "sft,gate,rl")
+  out = pipeline.run(c, str(tmp_path))
+  config = configs.resolve(configs.from_config(c))
+  tok = chat.tokenizer(str(hf_dir))
+  assert out["sft"]["steps"] == 2 and np.isfinite(out["sft"]["last_loss"])
+  assert "gate" in out and out["rl"]["steps"] == 1 and np.isfinite(out["rl"]["history"][-1]["reward"])
+  saved = sft.load_params(str(tmp_path), configs.rl_model(config))
+  want = jax.device_get(model.init(CFG, jax.random.key(123)))
+  for path, leaf in _by_path(want).items():
+    np.testing.assert_array_equal(_by_path(saved)[path], leaf, err_msg=path)
+  demo = factories.demonstrations(config.rl, config.sft, 0)[0]
+  assert demo.tokens[0] == tok.special_id("<|user|>") and max(demo.tokens) < tok.vocab_size
+
+
+def test_the_gate_oracle_reads_a_checkpoint_tokenizer(hf_dir):
+  """`valid_next` over a BPE vocabulary: every id it allows keeps the call a valid prefix."""
+  from composer_jax.rl import gate
+
+  tok = chat.tokenizer(str(hf_dir))
+  arity = {"add": 2}
+  prefix = [tok.special_id("<|tool_call|>"), *tok.encode("add 1")]
+  allowed = gate.valid_next(prefix, arity, tok)
+  assert allowed and all(gate.call_prefix_ok(tok.decode(prefix[1:] + [i]), arity) for i in allowed)
+  assert tok.encode("x")[0] not in allowed and tok.special_id("<|/tool_call|>") not in allowed
+  done = [tok.special_id("<|tool_call|>"), *tok.encode("add 1 2")]
+  assert tok.special_id("<|/tool_call|>") in gate.valid_next(done, arity, tok)
+
+
+@pytest.mark.parametrize("stage", ["sft", "gate", "rl"])
+def test_a_tokenizer_without_the_chat_tokens_is_refused_in_one_line(
+  plain_hf_dir, corpus_dir, tmp_path, stage
+):
+  with pytest.raises(configs.ConfigError, match="rl.tokenizer: .* has no <\\|system\\|>, <\\|user\\|>"):
+    pipeline.run(_chat_config(plain_hf_dir, corpus_dir, stage), str(tmp_path))
+  assert not any(tmp_path.iterdir())  # refused before any work

@@ -134,7 +134,12 @@ def test_summary_from_stage_summaries(tmp_path):
       lambda_feedback=0.5,
       history=hist([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.3] * 3 + [0.5] * 3, 1.0),
       evals=[dict(step=s, reward=r, invalid_call_rate=0.1) for s, r in ((0, 0.25), (3, 0.3), (6, 0.45))],
-      without_feedback=dict(steps=6, lambda_feedback=0.0, history=hist([0.1] * 6, [0.3] * 6, 0.0)),
+      without_feedback=dict(
+        steps=6,
+        lambda_feedback=0.0,
+        history=hist([0.1] * 6, [0.3] * 6, 0.0),
+        evals=[dict(step=s, reward=0.25, invalid_call_rate=v) for s, v in ((0, 0.1), (3, 0.2), (6, 0.3))],
+      ),
     ),
   }
   runs = {k: dict(seconds=10.0, skipped=k == "pretrain", finished="then") for k in results}
@@ -149,15 +154,24 @@ def test_summary_from_stage_summaries(tmp_path):
     rl["invalid_call_rate"] == pytest.approx(dict(first=0.3, last=0.5))
     and rl["feedback_turns_per_rollout"] == 1
   )
-  assert rl["without_feedback"]["feedback_kl"] == 0.0 and "eval" not in rl["without_feedback"]
+  assert (
+    rl["without_feedback"]["feedback_kl"] == 0.0 and rl["without_feedback"]["eval"]["last"]["reward"] == 0.25
+  )
   assert rl["eval"]["first"]["reward"] == 0.25 and rl["eval"]["last"] == dict(
     step=6, reward=0.45, invalid_call_rate=0.1
+  )
+  assert rl["effect"] == pytest.approx(
+    dict(where="fixed problems at step 6", reward=0.2, invalid_call_rate=-0.2, ahead=True)
   )
   text = report.write(rep, str(tmp_path))
   assert json.loads((tmp_path / "summary.json").read_text()) == rep
   wants = ["train loss 6.900 -> 2.500", "2 tasks built of 3 candidates", "sampled pass 0.10"]
-  wants += ["invalid-call rate 0.300 -> 0.500", "invalid-call rate +0.200, reward +0.450", "pretrain 10 s"]
-  wants += ["fixed problems, step 0 -> 6: reward 0.250 -> 0.450"]
+  wants += ["invalid-call rate 0.300 -> 0.500", "pretrain 10 s", "fixed problems, step 0 -> 6:"]
+  wants += ["RL + feedback (lambda 0.5):    reward 0.250 -> 0.450, invalid-call rate 0.100 -> 0.100"]
+  wants += ["RL alone, same seeds:          reward 0.250 -> 0.250, invalid-call rate 0.100 -> 0.300"]
+  wants += [
+    "feedback effect (fixed problems at step 6, with - without): reward +0.200, invalid-call rate -0.200: "
+  ]
   assert all(w in text for w in wants), text
 
 

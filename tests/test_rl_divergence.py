@@ -121,3 +121,24 @@ def test_bad_arguments_raise():
     divergence.feedback_loss(student, teacher, mask, kind="jsd", beta=1.5)
   with pytest.raises(ValueError, match="top_k"):
     divergence.feedback_loss(student, teacher, mask, top_k=0)
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl"])
+def test_clip_caps_each_token_and_scales_its_gradient(kind):
+  student, teacher, mask = _logits(5)
+  d = np.asarray(divergence.token_divergence(student, teacher, mask, kind=kind))
+  c = float(np.median(d[mask > 0]))  # some tokens above the cap, some below
+  dc = np.asarray(divergence.token_divergence(student, teacher, mask, kind=kind, clip=c))
+  np.testing.assert_allclose(dc, np.minimum(d, c) * (mask > 0), rtol=1e-5, atol=1e-6)
+
+  def grad(clip):
+    return np.asarray(
+      jax.grad(lambda s: divergence.token_divergence(s, teacher, mask, kind=kind, clip=clip).sum())(student)
+    )
+
+  g, gc = grad(None), grad(c)
+  # Per token: the same direction, scaled by min(1, c / D_t).
+  scale = np.where(d > c, c / np.maximum(d, 1e-12), 1.0)[..., None]
+  np.testing.assert_allclose(gc, g * scale, rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="clip"):
+    divergence.token_divergence(student, teacher, mask, clip=0.0)

@@ -1,6 +1,7 @@
 """Feedback detectors fire on constructed bad turns, not on good ones; teacher inputs align token by token."""
 
 import numpy as np
+import pytest
 
 from composer_jax.rl import chat, feedback
 from composer_jax.rl.envs import coding, toy
@@ -107,3 +108,35 @@ def test_teacher_inputs_alignment():
   same = feedback.teacher_inputs(t, k, [])
   np.testing.assert_array_equal(same.tokens, student[:e])
   np.testing.assert_array_equal(same.teacher_positions, same.student_positions)
+
+
+def test_coding_mistakes_edit_tests_and_claimed_success():
+  """The coding env's own mistakes go through the same detector -> hint path (kinds it does not declare:
+  the default set, which includes edits_tests)."""
+  edit = _traj([("user", "Fix"), ("", ("write_file", "tests/test_mathx.py", "def test_x():\n  pass\n"))])
+  assert feedback.detect(edit, CODE) == [(1, "edits_tests")]
+  for path in ("pkg/test_util.py", "conftest.py", "a/b_test.py", "test/x.py"):
+    assert feedback.detect(_traj([("user", "Fix"), ("", ("write_file", path, "x = 1\n"))]), CODE), path
+  code = _traj(
+    [("user", "Fix"), ("", ("write_file", "pkg/mathx.py", "x = 1\n")), ("tool", "Wrote 6 characters")]
+  )
+  assert feedback.detect(code, CODE) == []
+  assert "do not edit the tests" in feedback.hint_for("edits_tests", CODE)
+  bash = _traj([("user", "Fix"), ("", ("bash", "ls"))])
+  assert feedback.detect(bash, CODE) == [(1, "unknown_tool")]
+
+
+def test_env_declared_kinds_and_rule_override():
+  t = _traj([("user", "Compute 3+4"), ("", ("sum", "3", "4")), ("tool", "Error: unknown tool 'sum'.")])
+  stale_info = {
+    "tools": ("add", "mul", "answer"),
+    "renamed": (("sum", "add"),),
+    "feedback_kinds": ("stale_tool",),
+  }
+  assert feedback.detect(t, stale_info) == [(1, "stale_tool")]
+  assert feedback.detect(t, TOY) == [(1, "unknown_tool")]  # no rename rule: an unknown tool
+  only_unknown = feedback.FeedbackRules(kinds=("unknown_tool",))
+  assert feedback.detect(t, stale_info, only_unknown) == [(1, "unknown_tool")]
+  assert feedback.hint_at(t, 1, "stale_tool", stale_info) == "Note: the tool sum was renamed to add."
+  with pytest.raises(ValueError, match="variant"):
+    feedback.hint_for("stale_tool", stale_info, variant="bogus")

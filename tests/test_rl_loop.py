@@ -43,7 +43,10 @@ CFG = ModelConfig(
   expert_impl="blocked",
   rope=RopeConfig(theta=10000.0),
 )
+# The whole-turn, reverse-KL, unclipped, live-teacher form: what these tests check the plumbing of
+# (tests/test_rl_feedback_loss.py checks the selected, clipped, frozen-teacher form against references).
 RC = configs.RLConfig(
+  env="toy",
   steps=1,
   problems_per_step=2,
   group_size=2,
@@ -51,6 +54,10 @@ RC = configs.RLConfig(
   max_turn_tokens=8,
   cache_len=192,
   lambda_feedback=1.0,
+  divergence="reverse_kl",
+  feedback_tokens="turn",
+  feedback_clip=0.0,
+  teacher="live",
 )
 
 
@@ -86,8 +93,8 @@ def test_prefix_kv_teacher_equals_fresh_forward(params):
   rl.envs.advance(env, clean, ids, [-1.0] * len(ids))
   trajs = [_wrong_then_right(3), rl.envs.finish(env, clean), _wrong_then_right(11)]
   batch = _batch(trajs)
-  assert batch["fb_rows"].shape[0] == 4 and list(np.asarray(batch["fb_rows"][:2])) == [0, 2]
-  assert list(np.asarray(batch["teacher_lengths"][2:])) == [0, 0]  # bucket padding
+  assert batch["fb_rows"].shape[0] == 16 and list(np.asarray(batch["fb_rows"][:2])) == [0, 2]
+  assert list(np.asarray(batch["teacher_lengths"][2:])) == [0] * 14  # bucket padding
   L = batch["teacher_tokens"].shape[1]
 
   @jax.jit
@@ -167,7 +174,7 @@ def test_feedback_gradient_only_via_student_on_turn_k(params):
   def via_teacher(p, kv):
     c = {**cache, **kv}
     s_FNV = rl_loss_lib.student_feedback_logits(logits, batch)
-    s, n = rl_loss_lib.feedback_loss(s_FNV, rl_loss_lib.teacher_logits(p, CFG, c, batch), batch["fb_mask"])
+    s, n = rl.feedback_loss(s_FNV, rl_loss_lib.teacher_logits(p, CFG, c, batch), batch["fb_mask"])
     return s / n
 
   kv = {"latent": cache["latent"], "k_rope": cache["k_rope"]}
@@ -176,9 +183,7 @@ def test_feedback_gradient_only_via_student_on_turn_k(params):
 
   # Only turn k's columns of the student contribute, and the hint changes the teacher (loss > 0).
   def on_logits(lg):
-    s, n = rl_loss_lib.feedback_loss(
-      rl_loss_lib.student_feedback_logits(lg, batch), t_logits, batch["fb_mask"]
-    )
+    s, n = rl.feedback_loss(rl_loss_lib.student_feedback_logits(lg, batch), t_logits, batch["fb_mask"])
     return s / n
 
   assert float(on_logits(logits)) > 0

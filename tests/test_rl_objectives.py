@@ -226,3 +226,21 @@ def test_policy_metrics_match_numpy():
   np.testing.assert_allclose(float(m["ratio"][0]), r[on].sum(), rtol=1e-5)
   np.testing.assert_allclose(float(m["approx_kl"][0]), (r - 1 - lr)[on].sum(), rtol=1e-3, atol=1e-6)
   assert float(m["approx_kl"][1]) == on.sum() and "tis_weight" not in m
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_on_objective_scale_is_the_policy_losss_own_reduction(objective):
+  """A per-token term reduced by `on_objective_scale` lands on the policy loss's normaliser: at ratio 1
+  the PPO and GSPO terms are -A per token (CISPO's -A·log π): the reductions must agree, counts included."""
+  rng = np.random.default_rng(3)
+  B, T = 4, 9
+  logp = jnp.asarray(rng.normal(-1.0, 0.3, (B, T)), jnp.float32)
+  mask = jnp.asarray(rng.random((B, T)) < 0.7, jnp.float32).at[3].set(0.0)  # an all-padding row
+  adv = jnp.asarray(rng.normal(0, 1, (B, T)), jnp.float32)
+  want = obj.policy_loss(logp, logp, adv, mask, objective=objective, max_len=16)
+  term = -adv * logp if objective == "cispo" else -adv
+  got = obj.on_objective_scale(term, mask, objective=objective, max_len=16)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  if objective == "drgrpo":  # by hand: Σ v / max_len, over rows with a token
+    v = -np.asarray(adv) * np.asarray(mask)
+    assert float(got[0]) == pytest.approx(v.sum() / 16, rel=1e-5) and float(got[1]) == 3.0

@@ -187,8 +187,15 @@ class HFTokenizer:
       raise KeyError(f"the checkpoint's tokenizer has no {token} token (the chat turn format needs it)")
     return i
 
+  def missing(self, tokens: Sequence[str]) -> list[str]:
+    """Those of `tokens` the vocabulary does not have as a token of their own."""
+    return [t for t in tokens if self._tok.token_to_id(t) is None]
+
   def is_special(self, token_id: int) -> bool:
-    return any(self._tok.token_to_id(s) == token_id for s in SPECIAL_TOKENS)
+    if not hasattr(self, "_special_set"):
+      named = (self._tok.token_to_id(s) for s in SPECIAL_TOKENS)
+      self._special_set = {i for i in named if i is not None} | {self.eos_id, self.bos_id, self.pad_id}
+    return token_id in self._special_set
 
 
 def load(name: str = "bpe") -> Tokenizer:

@@ -8,12 +8,15 @@ jitted, guarded update) → `loop` (`train.loop` with RL hooks). `sft` warms the
   traj = rl.envs.rollout(rl.envs.toy.ToyEnv(), seed, act)           # chat.Trajectory, never raises
   batch = rl.to_arrays(trajs, pad_to=256)                            # padded numpy batch
   for k, kind in rl.feedback.detect(traj, env.info()):               # turns that went wrong
-    t = rl.feedback.teacher_inputs(traj, k, rl.feedback.hint_ids(rl.feedback.hint_for(kind, env.info())))
-  rl.feedback_loss(student_logits, teacher_logits, mask, kind="reverse_kl")   # -> (sum, count)
+    hint = rl.feedback.hint_ids(rl.feedback.hint_at(traj, k, kind, env.info()))  # "Note: the tool ..."
+    t = rl.feedback.teacher_inputs(traj, k, hint)                    # teacher = prefix + hint + turn k
+  rl.feedback_loss(student_logits, teacher_logits, mask, kind="forward_kl", clip=2.0)   # -> (sum, count)
   rl.policy_loss(logp, old_logp, adv, mask, objective="drgrpo")               # -> (sum, count)
   rl.sft.fit(...), rl.loop.fit(...)         # SFT warm-up and the RL loop (stages sft, rl)
+  rl.gate.run(params, cfg, rcfg, gcfg)      # does the hinted teacher beat the student? (stage gate)
 
-`rl.envs` (toy and coding environments) is a subpackage, imported on use: the coding env pulls in synth.
+`rl.envs` (stale-docs, toy and coding environments) is a subpackage, imported on use: the coding env
+pulls in synth. `rl.gate` and `rl.stats` (the gate's and the seed comparison's statistics) likewise.
 """
 
 from composer_jax.configs import RLConfig, SFTConfig

@@ -39,7 +39,7 @@ def bucket(n: int, minimum: int) -> int:
 
 
 def feedback_rules(rcfg: RLConfig) -> feedback.FeedbackRules:
-  """The detectors to act on: `rcfg.feedback_kinds` (comma-separated), or the default set."""
+  """The detectors to act on: `rcfg.feedback_kinds` (comma-separated), or the environment's own."""
   kinds = tuple(k for k in rcfg.feedback_kinds.split(",") if k)
   return feedback.FeedbackRules(kinds=kinds) if kinds else _RULES
 
@@ -55,14 +55,20 @@ def feedback_arrays(
   pad_to: int,
   rules: feedback.FeedbackRules = _RULES,
   tok: Tokenizer = chat.BYTE_TOKENIZER,
+  *,
+  variant: str = "task",
+  rows_cap: int = 0,
 ) -> dict[str, np.ndarray]:
-  """Teacher inputs for the flagged rows only: F = bucket(#flagged, 4) teacher rows, padding rows empty.
+  """Teacher inputs for the flagged rows only: F = bucket(#flagged, 16) teacher rows, padding rows empty;
+  with `rows_cap` > 0 exactly F = rows_cap (flagged rows beyond it are left out, the first ones kept), so
+  the step compiles once per sequence bucket (each compilation costs ~30 s on 2 cores).
 
   fb_rows [F] (the batch row each teacher row belongs to; padding: 0), teacher_tokens [F, L] (hint +
   turn k, right-padded), teacher_lengths [F] (0: padding), hint_start [F] (student slots ≥ it are hidden
   from the teacher; `pad_to` hides nothing), fb_cols [F, N] (student column t = p - 1 of each sampled
   token p of turn k), teacher_cols [F, N] (the extension column aligned with it), fb_mask [F, N].
-  The teacher and the divergence then cost F·(L + N) positions instead of B·T.
+  The teacher and the divergence then cost F·(L + N) positions instead of B·T. `variant`: the hint
+  inserted (`feedback.hint_for`: "task", or "null" for the null-hint control arm).
   """
   rows = []
   for b, (traj, info) in enumerate(zip(trajs, infos, strict=True)):
@@ -70,11 +76,14 @@ def feedback_arrays(
     if not found:
       continue
     k, kind = found[0]
-    t = feedback.teacher_inputs(traj, k, feedback.hint_ids(feedback.hint_for(kind, info, rules), tok))
+    text = feedback.hint_at(traj, k, kind, info, rules, variant=variant, tok=tok)
+    t = feedback.teacher_inputs(traj, k, feedback.hint_ids(text, tok))
     if len(t.student_positions):
       rows.append((b, t))
-  F = bucket(len(rows), 4)
-  L = bucket(max([len(t.tokens) - t.hint_start for _, t in rows], default=1), 32)
+  # Few shapes, few compilations: F fixed (or from 16), L from 64 (a hint and one turn).
+  rows = rows[:rows_cap] if rows_cap else rows
+  F = rows_cap or bucket(len(rows), 16)
+  L = bucket(max([len(t.tokens) - t.hint_start for _, t in rows], default=1), 64)
   N = bucket(max([len(t.student_positions) for _, t in rows], default=1), 16)
   out = {
     "fb_rows": np.zeros((F,), np.int32),
@@ -106,13 +115,16 @@ def rl_batch(
   with_feedback: bool = False,
   rules: feedback.FeedbackRules = _RULES,
   tok: Tokenizer = chat.BYTE_TOKENIZER,
+  variant: str = "task",
+  rows_cap: int = 0,
+  min_len: int = 64,
 ) -> dict[str, np.ndarray]:
-  """`chat.to_arrays` (padded to a power of two) + group ids (+ `feedback_arrays` when asked).
+  """`chat.to_arrays` (padded to a power of two, at least `min_len`) + group ids (+ `feedback_arrays`).
 
   Trajectories that carry `routed_experts` (collected with routing_replay) add routed_experts
   [B, T, MoE layers, top_k] int16, -1 on padding and wherever unknown (the forward routes those itself).
   """
-  pad_to = bucket(max(len(t) for t in trajs), 64)
+  pad_to = bucket(max(len(t) for t in trajs), min_len)
   a = chat.to_arrays(trajs, pad_to, tok.pad_id)
   batch = {
     k: a[k] for k in ("tokens", "positions", "segment_ids", "loss_mask", "sampler_logprobs", "rewards")
@@ -126,5 +138,5 @@ def rl_batch(
         routed_BTLK[b, : len(t.routed_experts)] = t.routed_experts
     batch["routed_experts"] = routed_BTLK
   if with_feedback:
-    batch |= feedback_arrays(trajs, infos, pad_to, rules, tok)
+    batch |= feedback_arrays(trajs, infos, pad_to, rules, tok, variant=variant, rows_cap=rows_cap)
   return batch

@@ -25,12 +25,13 @@ In an assistant turn the header <|assistant|> and the closing <|end_turn|> appen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 
 import numpy as np
 
-from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
+from composer_jax.data.tokenizer import SPECIAL_TOKENS, ByteTokenizer, Tokenizer
 
 SYSTEM, USER, ASSISTANT, TOOL = 0, 1, 2, 3
 ROLE_NAMES = ("system", "user", "assistant", "tool")
@@ -53,6 +54,28 @@ class ParseError:
 
   kind: str
   detail: str = ""
+
+
+# The special tokens the turn format is built from (a checkpoint's tokenizer must have each as one id).
+CHAT_TOKENS = tuple(t for t in SPECIAL_TOKENS if t not in ("<|pad|>", "<|bos|>", "<|eos|>"))
+
+
+@functools.cache
+def tokenizer(name: str = "byte") -> Tokenizer:
+  """The tokenizer `rl.tokenizer` names: "byte", or a checkpoint directory with a `tokenizer.json`
+  (`init_from`), which must have every token of `CHAT_TOKENS` (ValueError naming those it lacks)."""
+  if name == "byte":
+    return BYTE_TOKENIZER
+  from composer_jax.data.tokenizer import HFTokenizer
+
+  tok = HFTokenizer(name)
+  missing = tok.missing(CHAT_TOKENS)
+  if missing:
+    raise ValueError(
+      f"the tokenizer of {name} has no {', '.join(missing)} token: the sft/gate/rl turn format needs each "
+      "as a token of its own (add them to its tokenizer.json as added special tokens)"
+    )
+  return tok
 
 
 def _sid(tok: Tokenizer, name: str) -> int:

@@ -55,7 +55,7 @@ def _top_k_buckets(logp_s_BTV: jax.Array, logp_t_BTV: jax.Array, k: int) -> tupl
   return buckets(logp_s_BTV), buckets(logp_t_BTV)
 
 
-def feedback_loss(
+def token_divergence(
   student_logits: jax.Array,
   teacher_logits: jax.Array,
   mask: jax.Array,
@@ -63,13 +63,16 @@ def feedback_loss(
   kind: str = "reverse_kl",
   top_k: int | None = None,
   beta: float = 0.5,
-) -> tuple[jax.Array, jax.Array]:
-  """(Σ_t mask_t·D(P_S,t, P_T,t), Σ_t mask_t) for logits [B, T, V] aligned token by token, mask [B, T].
+  clip: float | None = None,
+) -> jax.Array:
+  """Per-token D(P_S,t, P_T,t) for logits [B, T, V] aligned token by token, [B, T]; exactly 0 (value and
+  gradient) where mask is 0. The teacher is stop-gradient; both softmaxes run in float32.
 
-  The teacher is stop-gradient here (no gradient ever reaches teacher_logits); both softmaxes run
-  in float32. kind: "reverse_kl", "forward_kl" or "jsd" (with beta; see the module docstring).
-  top_k: compare on the student's top-k token ids plus a tail bucket (SDPO's `add_tail`); None, or
-  k >= V, uses the full vocabulary. Masked positions contribute exactly nothing, value or gradient.
+  kind: "reverse_kl", "forward_kl" or "jsd" (with beta; see the module docstring). top_k: compare on the
+  student's top-k token ids plus a tail bucket (SDPO's `add_tail`); None, or k >= V, uses the full
+  vocabulary. clip: cap each token's value at `clip` by scaling it (and so its gradient) by
+  sg(min(1, clip / D_t)) -- the direction is kept, no token weighs more than `clip` nats (per-token
+  clipping as in SDPO/OPSD; a hard min would drop exactly the tokens that disagree most). None: off.
   """
   if kind not in KINDS:
     raise ValueError(f"unknown divergence kind {kind!r}; known: {', '.join(KINDS)}")
@@ -77,6 +80,8 @@ def feedback_loss(
     raise ValueError(f"beta must lie in [0, 1], got {beta}")
   if top_k is not None and top_k < 1:
     raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+  if clip is not None and clip <= 0:
+    raise ValueError(f"clip must be positive or None, got {clip}")
   m_BT = mask > 0
   m_BT1 = m_BT[..., None]
   # Zero the logits at masked positions first, so padding garbage (inf/NaN) never reaches the sum
@@ -88,4 +93,24 @@ def feedback_loss(
   if top_k is not None and top_k < s_BTV.shape[-1]:
     logp_s, logp_t = _top_k_buckets(logp_s, logp_t, top_k)
   d_BT = _divergence(logp_s, logp_t, kind, float(beta))
-  return jnp.sum(jnp.where(m_BT, d_BT, 0.0)), jnp.sum(m_BT).astype(jnp.float32)
+  if clip is not None:
+    d_BT = d_BT * jax.lax.stop_gradient(jnp.minimum(1.0, clip / jnp.maximum(d_BT, 1e-12)))
+  return jnp.where(m_BT, d_BT, 0.0)
+
+
+def feedback_loss(
+  student_logits: jax.Array,
+  teacher_logits: jax.Array,
+  mask: jax.Array,
+  *,
+  kind: str = "reverse_kl",
+  top_k: int | None = None,
+  beta: float = 0.5,
+  clip: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """(Σ_t mask_t·D(P_S,t, P_T,t), Σ_t mask_t): `token_divergence` summed, with its token count.
+
+  The count is for reporting; the RL step puts the sum on the policy objective's normaliser
+  (`rl.loss.rl_loss`), never on its own count (that made one flagged token weigh ~300 RL tokens)."""
+  d_BT = token_divergence(student_logits, teacher_logits, mask, kind=kind, top_k=top_k, beta=beta, clip=clip)
+  return jnp.sum(d_BT), jnp.sum(mask > 0).astype(jnp.float32)

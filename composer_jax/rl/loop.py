@@ -18,7 +18,7 @@ import numpy as np
 
 from composer_jax import model
 from composer_jax.configs import RLConfig
-from composer_jax.rl import envs, feedback
+from composer_jax.rl import chat, envs, feedback
 from composer_jax.rl.batch import feedback_rules, rl_batch, without_feedback
 from composer_jax.rl.rollout import collect, rollout_stats
 from composer_jax.train import loop
@@ -65,10 +65,18 @@ def fit(
     key = jax.random.fold_in(jax.random.key(rcfg.seed), s)
     trajs = collect(state.params, cfg, env_list, seeds, key, rcfg)
     stats = rollout_stats(trajs) | {"rollout_s": time.perf_counter() - t0}
-    batch = rl_batch(trajs, groups, [e.info() for e in env_list], with_feedback=use_fb, rules=rules)
+    infos = [e.info() for e in env_list]
+    cap = rcfg.feedback_rows
+    batch = rl_batch(
+      trajs, groups, infos, with_feedback=use_fb, rules=rules, variant=rcfg.hint, rows_cap=cap,
+      tok=chat.tokenizer(rcfg.tokenizer),
+      min_len=rcfg.batch_min_len,
+    )  # fmt: skip
     n_fb_rows = int(np.sum(batch["teacher_lengths"] > 0)) if use_fb else 0
     stats["feedback_turns_per_rollout"] = n_fb_rows / len(trajs)
-    return (batch if n_fb_rows else without_feedback(batch)), stats
+    # With a fixed number of teacher rows, even a batch without a flagged turn takes the teacher's step
+    # (its feedback term is exactly 0): one program instead of two.
+    return (batch if n_fb_rows or (use_fb and cap) else without_feedback(batch)), stats
 
   def step_fn(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     return steps["teacher_tokens" in batch](state, batch)  # the teacher's step only for flagged turns

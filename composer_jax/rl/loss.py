@@ -3,17 +3,24 @@
 Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, L teacher tokens
 (hint + turn), N tokens of the flagged turn, V vocab.
 
-loss = RL loss / its count + λ · feedback loss / its count (notes/rl.md §5).
+loss = (RL sum + λ · feedback sum) / RL count: both sums reduced the policy objective's way
+(`objectives.on_objective_scale`), so λ is an exchange rate (notes/rl.md §5; the earlier "each term over its
+own count" made one flagged token weigh ~312·λ RL tokens and the feedback gradient 23-460x the RL one).
 - RL: `policy_loss(logp, sg(logp), adv, mask, objective, sampler_logp)` — one update per batch, so π_old
   is the trainer's own recompute (ratio 1, clip fraction 0) and the sampler/trainer mismatch is corrected
   by truncated IS against the sampler's logprobs (the raw T=1 model logprobs the sampler recorded).
 - Feedback: at most one turn per trajectory (the first one `feedback.detect` flags: the earliest
-  mistake is the one that derails the rest). The student forward runs with a KV cache; the teacher reuses
-  it: stop-gradient, slots at positions ≥ the turn's start hidden (segment id 0), then `sampler.extend`
-  with hint + turn k's tokens. The teacher computes |hint| + |turn| tokens, not the whole prefix.
-  Teacher logits at column j predict teacher token j+1; they are gathered onto the student's columns
-  t = p - 1 for each sampled token p of turn k (column p - 1 + |hint| - start in the teacher's extension).
-- A batch with no detected turn goes to the step without the teacher, where the term is exactly 0.
+  mistake is the one that derails the rest). Teacher: frozen (the weights RL started from) or EMA, which
+  encode the flagged rows' prefix themselves, or live (the current weights = the policy at rollout time),
+  which reuses the student's KV cache. Either way student slots at positions ≥ the turn's start are
+  hidden (segment id 0), then `sampler.extend` appends hint + turn k's tokens. Teacher logits at column j
+  predict teacher token j+1; they are gathered onto the student's columns t = p - 1 for each sampled token
+  p of turn k (column p - 1 + |hint| - start in the teacher's extension).
+- Tokens: turn k's sampled tokens up to and including the first where log p − log q > τ
+  (`first_divergence`); per-token divergence capped at `feedback_clip` nats (`divergence.token_divergence`).
+  Loss form: that divergence; advantage form: λ·clip(sg(log q − log p)) added to those tokens' advantages.
+- A batch with no detected turn contributes exactly 0 through the feedback term (or takes the step
+  without the teacher).
 """
 
 from __future__ import annotations
@@ -26,8 +33,14 @@ import jax.numpy as jnp
 from composer_jax import model
 from composer_jax.configs import RLConfig
 from composer_jax.rl import sampler
-from composer_jax.rl.divergence import feedback_loss
-from composer_jax.rl.objectives import advantages, groups_with_signal, policy_loss, policy_metrics
+from composer_jax.rl.divergence import token_divergence
+from composer_jax.rl.objectives import (
+  advantages,
+  groups_with_signal,
+  on_objective_scale,
+  policy_loss,
+  policy_metrics,
+)
 from composer_jax.train.losses import token_logp
 
 
@@ -101,18 +114,76 @@ def student_feedback_logits(logits_BTV: jax.Array, batch: dict) -> jax.Array:
   return logits_BTV[batch["fb_rows"][:, None], batch["fb_cols"]]
 
 
-def feedback_advantages(t_logits_FNV: jax.Array, logp_BT: jax.Array, batch: dict, lam: float) -> jax.Array:
-  """λ·sg(log q(y_t) − log p(y_t)) on turn k's sampled tokens y_t, 0 elsewhere, [B, T] aligned with tokens.
+def first_divergence(gap_FN: jax.Array, mask_FN: jax.Array, threshold: float) -> jax.Array:
+  """bool [F, N]: turn k's tokens up to and including the first token whose gap log p − log q exceeds
+  `threshold` (where the student's sampled token leaves what the teacher would say); none in a row where
+  no token does (the teacher agrees with what was sampled: nothing to teach). Before that token the
+  two agree, after it the teacher only scores how to continue a prefix it would not have written."""
+  N = gap_FN.shape[1]
+  idx_1N = jnp.arange(N)[None, :]
+  hit_FN = (gap_FN > threshold) & (mask_FN > 0)
+  first_F1 = jnp.min(jnp.where(hit_FN, idx_1N, N), axis=1, keepdims=True)
+  return (mask_FN > 0) & (idx_1N <= first_F1) & (first_F1 < N)
+
+
+def _scatter_BT(x_FN: jax.Array, like_BT: jax.Array, batch: dict) -> jax.Array:
+  """[F, N] values onto the batch's token positions (row fb_rows, token fb_cols + 1), 0 elsewhere."""
+  return jnp.zeros_like(like_BT).at[batch["fb_rows"][:, None], batch["fb_cols"] + 1].add(x_FN)
+
+
+def feedback_advantages(
+  t_logits_FNV: jax.Array,
+  logp_BT: jax.Array,
+  batch: dict,
+  lam: float,
+  *,
+  select_FN: jax.Array | None = None,
+  clip: float | None = None,
+) -> jax.Array:
+  """λ·sg(log q(y_t) − log p(y_t)) on turn k's sampled tokens y_t (`select_FN`, default all of them),
+  clipped to [−clip, clip] per token, 0 elsewhere, [B, T] aligned with tokens.
 
   The sampled-token form of the reverse KL's gradient (E_y~p[sg(log p − log q)·∇log p] = ∇KL(p‖q),
-  notes/rl.md §1, on-policy distillation): as an advantage it shares the RL loss's normaliser and clip,
-  so its weight against the policy gradient does not depend on how many tokens were flagged."""
+  notes/rl.md §1; on-policy distillation's Â = A − λ(log p − log q)): as an advantage it shares the RL
+  loss's normaliser and clip, so λ is an exchange rate. It only pushes the sampled token: it cannot
+  raise a token the student never samples (at p(y) ≈ 1, ∇log p(y) ≈ 0)."""
   rows_F1, tok_FN = batch["fb_rows"][:, None], batch["fb_cols"] + 1
   y_FN = batch["tokens"][rows_F1, tok_FN]
   logq_FN = jnp.take_along_axis(jax.nn.log_softmax(t_logits_FNV.astype(jnp.float32), -1), y_FN[..., None], -1)
   logp_FN = jax.lax.stop_gradient(logp_BT)[rows_F1, tok_FN]
-  delta_FN = jnp.where(batch["fb_mask"] > 0, lam * (logq_FN[..., 0] - logp_FN), 0.0)
-  return jnp.zeros_like(logp_BT).at[rows_F1, tok_FN].add(jax.lax.stop_gradient(delta_FN))
+  delta_FN = logq_FN[..., 0] - logp_FN
+  if clip is not None:
+    delta_FN = jnp.clip(delta_FN, -clip, clip)
+  sel_FN = batch["fb_mask"] > 0 if select_FN is None else select_FN
+  return jax.lax.stop_gradient(_scatter_BT(jnp.where(sel_FN, lam * delta_FN, 0.0), logp_BT, batch))
+
+
+def feedback_terms(
+  s_logits_FNV: jax.Array, t_logits_FNV: jax.Array, logp_BT: jax.Array, batch: dict, rcfg: RLConfig
+) -> tuple[jax.Array, jax.Array, dict]:
+  """(per-token divergence [B, T] for the loss form, feedback advantage [B, T] for the advantage form,
+  metrics) on the tokens `rcfg.feedback_tokens` selects, clipped per token at `rcfg.feedback_clip`."""
+  rows_F1, tok_FN = batch["fb_rows"][:, None], batch["fb_cols"] + 1
+  y_FN = batch["tokens"][rows_F1, tok_FN]
+  logq_FN = jnp.take_along_axis(jax.nn.log_softmax(t_logits_FNV.astype(jnp.float32), -1), y_FN[..., None], -1)
+  gap_FN = jax.lax.stop_gradient(logp_BT[rows_F1, tok_FN] - logq_FN[..., 0])
+  turn_FN = batch["fb_mask"] > 0
+  sel_FN = turn_FN
+  if rcfg.feedback_tokens == "first_divergence":
+    sel_FN = first_divergence(gap_FN, batch["fb_mask"], rcfg.divergence_threshold)
+  clip = rcfg.feedback_clip if rcfg.feedback_clip > 0 else None
+  top_k = rcfg.divergence_top_k or None
+  d_FN = token_divergence(s_logits_FNV, t_logits_FNV, sel_FN, kind=rcfg.divergence, top_k=top_k, clip=clip)
+  adv_BT = feedback_advantages(
+    t_logits_FNV, logp_BT, batch, rcfg.lambda_feedback, select_FN=sel_FN, clip=clip
+  )
+  n_sel = jnp.sum(sel_FN).astype(jnp.float32)
+  m = {
+    "feedback_kl": (jax.lax.stop_gradient(jnp.sum(d_FN)), n_sel),
+    "feedback_selected": (n_sel, jnp.sum(turn_FN).astype(jnp.float32)),
+    "feedback_gap": (jnp.sum(jnp.where(sel_FN, gap_FN, 0.0)), n_sel),
+  }
+  return _scatter_BT(d_FN, logp_BT, batch), adv_BT, m
 
 
 def rl_loss(
@@ -123,21 +194,10 @@ def rl_loss(
   with_feedback: bool,
   teacher_params: Any = None,
 ):
-  """(total loss, metrics as (sum, count) pairs). `teacher_params`: the EMA teacher (None: live)."""
-  mask_BT = batch["loss_mask"]
+  """(total loss, metrics as (sum, count) pairs). `teacher_params`: a frozen or EMA teacher (None: live)."""
+  routed = replayed_experts(batch, rcfg)
   if with_feedback:
-    logits_BTV, aux = student_forward(
-      params, cfg, batch, batch["teacher_tokens"].shape[1], replayed_experts(batch, rcfg)
-    )
-    t_logits_FNV = teacher_logits(params, cfg, aux["cache"], batch, teacher_params)
-    top_k = rcfg.divergence_top_k or None
-    fb_sum, fb_count = feedback_loss(
-      student_feedback_logits(logits_BTV, batch),
-      t_logits_FNV,
-      batch["fb_mask"],
-      kind=rcfg.divergence,
-      top_k=top_k,
-    )
+    logits_BTV, aux = student_forward(params, cfg, batch, batch["teacher_tokens"].shape[1], routed)
   else:
     logits_BTV, aux = model.apply(
       params,
@@ -145,36 +205,48 @@ def rl_loss(
       batch["tokens"],
       batch["positions"],
       segment_ids=batch["segment_ids"],
-      routed_experts=replayed_experts(batch, rcfg),
+      routed_experts=routed,
     )
-    fb_sum = fb_count = jnp.zeros((), jnp.float32)
   logp_BT = token_logp(logits_BTV, batch["tokens"])
   adv_B = advantages(batch["rewards"], batch["group_ids"], kind=rcfg.advantage)
-  adv, fb_weight = adv_B, rcfg.lambda_feedback
+  adv, fb_BT = adv_B, jnp.zeros_like(logp_BT)
   keep_B = jnp.ones_like(adv_B, dtype=bool)
   if rcfg.dynamic_sampling:
     keep_B = groups_with_signal(batch["rewards"], batch["group_ids"])
-  m = {}
-  if with_feedback and rcfg.feedback_mode == "advantage":
-    fb_adv_BT = feedback_advantages(t_logits_FNV, logp_BT, batch, rcfg.lambda_feedback)
-    adv, fb_weight = adv_B[:, None] + fb_adv_BT, 0.0
+  m = {"feedback_kl": (jnp.zeros((), jnp.float32),) * 2}
+  if with_feedback:
+    t_logits_FNV = teacher_logits(params, cfg, aux["cache"], batch, teacher_params)
+    s_logits_FNV = student_feedback_logits(logits_BTV, batch)
+    fb_BT, fb_adv_BT, m = feedback_terms(s_logits_FNV, t_logits_FNV, logp_BT, batch, rcfg)
+    if rcfg.feedback_mode == "advantage":
+      adv, fb_BT = adv_B[:, None] + fb_adv_BT, jnp.zeros_like(fb_BT)
+      m["feedback_advantage"] = (jnp.sum(fb_adv_BT), m["feedback_kl"][1])
+    # A flagged row carries feedback even when its group's rewards are all equal.
     keep_B = keep_B | jnp.zeros_like(keep_B).at[batch["fb_rows"]].max(batch["teacher_lengths"] > 0)
-    m["feedback_advantage"] = (jnp.sum(fb_adv_BT), fb_count)
-  mask_BT = mask_BT * keep_B[:, None]
+  mask_BT = batch["loss_mask"] * keep_B[:, None]
   kw = dict(objective=rcfg.objective, sampler_logp=batch["sampler_logprobs"], tis_cap=rcfg.tis_cap)
   max_len = rcfg.max_turns * rcfg.max_turn_tokens  # Dr. GRPO's constant normaliser: the token budget
   pl_sum, pl_count = policy_loss(logp_BT, jax.lax.stop_gradient(logp_BT), adv, mask_BT, max_len=max_len, **kw)
-  loss = pl_sum / jnp.maximum(pl_count, 1.0) + fb_weight * fb_sum / jnp.maximum(fb_count, 1.0)
+  # The feedback term on the policy objective's scale: the same reduction and the same count.
+  fb_sum, _ = on_objective_scale(fb_BT, mask_BT, objective=rcfg.objective, max_len=max_len)
+  loss = (pl_sum + rcfg.lambda_feedback * fb_sum) / jnp.maximum(pl_count, 1.0)
   m |= policy_metrics(logp_BT, jax.lax.stop_gradient(logp_BT), adv, mask_BT, **kw)
-  m_BT = mask_BT > 0
-  n = jnp.sum(m_BT).astype(jnp.float32)
-  logp_all_BTV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BTV[:, :-1]).astype(jnp.float32), axis=-1)
-  ent_BT = jnp.pad(-jnp.sum(jnp.exp(logp_all_BTV) * logp_all_BTV, axis=-1), ((0, 0), (1, 0)))
-  m["entropy"] = (jnp.sum(jnp.where(m_BT, ent_BT, 0.0)), n)
-  gap_BT = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(logp_BT))
-  m["logp_abs_diff"] = (jnp.sum(jnp.where(m_BT, gap_BT, 0.0)), n)
-  m["feedback_kl"] = (jax.lax.stop_gradient(fb_sum), fb_count)
+  m |= _diagnostics(logits_BTV, logp_BT, mask_BT, batch)
+  m["feedback_loss"] = (jax.lax.stop_gradient(rcfg.lambda_feedback * fb_sum), pl_count)
   m["policy_loss"] = (jax.lax.stop_gradient(pl_sum), pl_count)
   m["advantage_abs"] = (jnp.sum(jnp.abs(adv_B)), jnp.asarray(adv_B.shape[0], jnp.float32))
   m["kept_rollouts"] = (jnp.sum(keep_B).astype(jnp.float32), jnp.asarray(adv_B.shape[0], jnp.float32))
   return loss, (m, aux)
+
+
+def _diagnostics(logits_BTV: jax.Array, logp_BT: jax.Array, mask_BT: jax.Array, batch: dict) -> dict:
+  """Entropy of the policy and |sampler − trainer| log-prob gap on the trained tokens."""
+  m_BT = mask_BT > 0
+  n = jnp.sum(m_BT).astype(jnp.float32)
+  logp_all_BTV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BTV[:, :-1]).astype(jnp.float32), axis=-1)
+  ent_BT = jnp.pad(-jnp.sum(jnp.exp(logp_all_BTV) * logp_all_BTV, axis=-1), ((0, 0), (1, 0)))
+  gap_BT = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(logp_BT))
+  return {
+    "entropy": (jnp.sum(jnp.where(m_BT, ent_BT, 0.0)), n),
+    "logp_abs_diff": (jnp.sum(jnp.where(m_BT, gap_BT, 0.0)), n),
+  }

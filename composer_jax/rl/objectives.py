@@ -234,6 +234,23 @@ def policy_loss(
   return o.reduce(loss_BT, n_tok_B, n_seq, norm)
 
 
+def on_objective_scale(
+  values_BT: jax.Array, mask_BT: jax.Array, *, objective: str, max_len: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """(sum, count) of per-token values reduced exactly as `policy_loss` reduces its per-token terms, with
+  the same count for the same mask: adding the sums and dividing once by that count puts an extra
+  per-token term (the feedback divergence) on the policy objective's own scale, so its weight λ is an
+  exchange rate (one nat of divergence on a token ≈ one unit of advantage on it), not a ratio of
+  two differently normalised means (notes/rl.md §5, measured correction)."""
+  o, _, _ = _objective(objective, None, None)
+  chex.assert_equal_shape([values_BT, mask_BT])
+  m_BT = mask_BT > 0
+  n_tok_B = jnp.sum(m_BT, axis=1).astype(jnp.float32)
+  n_seq = jnp.sum(n_tok_B > 0).astype(jnp.float32)
+  v_BT = jnp.where(m_BT, values_BT.astype(jnp.float32), 0.0)
+  return o.reduce(v_BT, n_tok_B, n_seq, float(values_BT.shape[1] if max_len is None else max_len))
+
+
 def policy_metrics(
   logp_BT: jax.Array, old_logp_BT: jax.Array, advantages: jax.Array, mask_BT: jax.Array, **kw
 ) -> dict[str, tuple[jax.Array, jax.Array]]:

@@ -36,10 +36,11 @@ def collect(
   seeds: Sequence[int],
   key: jax.Array,
   rcfg: RLConfig,
-  tok: Tokenizer = chat.BYTE_TOKENIZER,
+  tok: Tokenizer | None = None,
 ) -> list[chat.Trajectory]:
   """One episode per (env, seed), all rows in lockstep through one KV cache. Never raises for one row."""
   B = len(env_list)
+  tok = chat.tokenizer(rcfg.tokenizer) if tok is None else tok
   trajs = [envs.begin(env, s, tok) for env, s in zip(env_list, seeds, strict=True)]
   header = chat.role_token_id(chat.ASSISTANT, tok)
   live = [t.status != chat.FAILED for t in trajs]
@@ -142,12 +143,13 @@ def evaluate(
   seed: int = 12345,
   temperature: float | None = None,
 ) -> dict[str, float]:
-  """Rollout statistics of `n` fresh toy problems (one rollout each) at the given temperature."""
-  from composer_jax.rl.envs import toy
+  """Rollout statistics of `n` fixed problems of `rcfg.env` (one rollout each; coding: the toy's) at
+  the given temperature."""
+  from composer_jax.rl.envs import factories
 
   rc = dataclasses.replace(rcfg, temperature=rcfg.temperature if temperature is None else temperature)
-  rng = np.random.default_rng([seed])
-  seeds = rng.integers(0, 1 << 30, size=n).tolist()
-  env_list = [toy.ToyEnv(toy.ToyConfig(max_turns=rc.max_turns)) for _ in seeds]
+  if rc.env not in factories.MAKE_ONE:
+    rc = dataclasses.replace(rc, env="toy")
+  env_list, seeds = factories.fixed_set(rc, n, seed)
   trajs = collect(params, cfg, env_list, seeds, jax.random.key(seed), rc)
   return rollout_stats(trajs)

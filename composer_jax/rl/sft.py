@@ -36,17 +36,50 @@ def pad_length(n: int, multiple: int = 32) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
 
-def sft_batch(demos: Sequence[chat.Trajectory], pad_to: int) -> dict[str, np.ndarray]:
-  """Padded arrays; `target_mask[b, t]` = loss_mask of token t+1 (logits at t predict it), last column 0."""
-  a = chat.to_arrays(demos, pad_to)
-  target = np.zeros_like(a["loss_mask"])
-  target[:, :-1] = a["loss_mask"][:, 1:]
-  return {
-    "tokens": a["tokens"],
-    "positions": a["positions"],
-    "segment_ids": a["segment_ids"],
-    "target_mask": target,
-  }
+def sft_batch(
+  rows: Sequence[chat.Trajectory | Sequence[chat.Trajectory]],
+  pad_to: int,
+  pad_id: int = chat.BYTE_TOKENIZER.pad_id,
+) -> dict[str, np.ndarray]:
+  """Padded arrays, one row per demo or per list of demos packed into one row (segment ids 1, 2, ...;
+  positions restart per demo, and attention never crosses a segment). `target_mask[b, t]` = loss_mask of
+  token t+1 (logits at t predict it) when t+1 is in t's demo, else 0."""
+  packed = [[r] if isinstance(r, chat.Trajectory) else list(r) for r in rows]
+  out = {k: np.zeros((len(packed), pad_to), np.int32) for k in ("tokens", "positions", "segment_ids")}
+  out["tokens"][:] = pad_id
+  mask = np.zeros((len(packed), pad_to), np.float32)
+  for b, demos in enumerate(packed):
+    at = 0
+    for i, d in enumerate(demos):
+      n = len(d)
+      if at + n > pad_to:
+        raise ValueError(f"row {b}: {at + n} tokens > pad_to {pad_to}")
+      out["tokens"][b, at : at + n] = d.tokens
+      out["positions"][b, at : at + n] = np.arange(n)
+      out["segment_ids"][b, at : at + n] = i + 1
+      mask[b, at : at + n] = d.loss_mask
+      at += n
+  target = np.zeros_like(mask)
+  same = out["segment_ids"][:, 1:] == out["segment_ids"][:, :-1]
+  target[:, :-1] = np.where(same, mask[:, 1:], 0.0)
+  return out | {"target_mask": target}
+
+
+def pack_rows(demos: Sequence[chat.Trajectory], rows: int, row_len: int, rng: np.random.Generator) -> list:
+  """`rows` rows of random demos, each filled until a drawn demo does not fit (3 tries): ~1.5x the
+  useful tokens per step of one padded demo per row, at one fixed shape."""
+  out = []
+  for _ in range(rows):
+    row, used, misses = [], 0, 0
+    while misses < 3:
+      d = demos[int(rng.integers(len(demos)))]
+      if used + len(d) <= row_len:
+        row.append(d)
+        used += len(d)
+      else:
+        misses += 1
+    out.append(row)
+  return out
 
 
 def make_sft_step(
@@ -90,15 +123,20 @@ def fit(
   writer: metrics_lib.MetricsWriter | None = None,
   save: Callable[[TrainState, bool], None] | None = None,
   check: Callable[[], None] | None = None,
+  pad_id: int = chat.BYTE_TOKENIZER.pad_id,
 ) -> tuple[TrainState, dict]:
   """Trains from `state.step` to `scfg.steps` on random batches of `demos` (the batch of step s is a pure
-  function of (seed, s), so a resumed run sees the same data). An interrupt saves and returns."""
-  pad_to = pad_length(max(len(d) for d in demos))
+  function of (seed, s), so a resumed run sees the same data): `batch_size` rows, each one demo, or with
+  `pack_len` as many as fit in a row of that length. An interrupt saves and returns."""
+  pad_to = pad_length(max(max(len(d) for d in demos), scfg.pack_len))
 
   def next_batch(s: int, state: TrainState) -> tuple[dict, dict]:
     rng = np.random.default_rng([seed, s])
+    if scfg.pack_len:
+      rows = pack_rows(demos, scfg.batch_size, pad_to, rng)
+      return sft_batch(rows, pad_to, pad_id), {"demos": float(sum(len(r) for r in rows))}
     idx = rng.choice(len(demos), size=scfg.batch_size, replace=len(demos) < scfg.batch_size)
-    return sft_batch([demos[i] for i in idx], pad_to), {}
+    return sft_batch([demos[i] for i in idx], pad_to, pad_id), {}
 
   hooks = loop.Hooks(
     next_batch=next_batch,

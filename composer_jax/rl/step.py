@@ -4,8 +4,11 @@
   state, metrics = step(state, batch)             # state donated; non-finite steps keep the old state
 
 `with_feedback=False` compiles a step without the teacher: it serves λ = 0 and batches in which no turn
-was flagged. `teacher="ema"` keeps an exponential moving average of the weights next to the optimizer
-state (`TeacherState`), so checkpoints carry it.
+was flagged. `teacher="frozen"` keeps the weights RL started from (the SFT checkpoint) next to the
+optimizer state (`TeacherState`), `teacher="ema"` an exponential moving average of the weights, so
+checkpoints carry either. A frozen teacher anchors the target: with the live student as teacher, more
+mistakes meant more flagged turns and more push in whatever direction the drifting teacher pointed
+(benchmarks/RESULTS.md, issue 13).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from composer_jax.configs import RLConfig
 from composer_jax.rl.loss import rl_loss
 from composer_jax.train.state import TrainState, guarded_update
 
-TEACHERS = ("live", "ema")
+TEACHERS = ("frozen", "live", "ema")
 FEEDBACK_MODES = ("loss", "advantage")
+FEEDBACK_TOKENS = ("first_divergence", "turn")
+HINTS = ("task", "null")
 
 
 class TeacherState(NamedTuple):
@@ -35,13 +40,14 @@ class TeacherState(NamedTuple):
 
 
 def teacher_optimizer(tx: optax.GradientTransformation, rcfg: RLConfig) -> optax.GradientTransformation:
-  """`tx` itself for the live teacher; for `teacher="ema"`, `tx` plus an EMA of the updated params
-  (rate `teacher_ema_rate`) in `TeacherState.teacher`. Build the RL state's optimizer with this."""
+  """`tx` itself for the live teacher; otherwise `tx` plus the teacher's weights in `TeacherState.teacher`:
+  the params `init` saw ("frozen"), or their EMA at rate `teacher_ema_rate` ("ema"). Build the RL
+  state's optimizer with this, and `init` it with the params RL starts from."""
   check_config(rcfg)
   if rcfg.teacher == "live":
     return tx
-  rate = rcfg.teacher_ema_rate
-  if not 0.0 < rate <= 1.0:
+  rate = 0.0 if rcfg.teacher == "frozen" else rcfg.teacher_ema_rate
+  if rcfg.teacher == "ema" and not 0.0 < rate <= 1.0:
     raise ValueError(f"teacher_ema_rate must lie in (0, 1], got {rate}")
 
   def init(params):
@@ -50,6 +56,8 @@ def teacher_optimizer(tx: optax.GradientTransformation, rcfg: RLConfig) -> optax
 
   def update(grads, state, params=None):
     updates, inner = tx.update(grads, state.inner, params)
+    if rate == 0.0:
+      return updates, TeacherState(inner, state.teacher)
     new = optax.apply_updates(params, updates)
     return updates, TeacherState(inner, optax.incremental_update(new, state.teacher, step_size=rate))
 
@@ -62,6 +70,10 @@ def check_config(rcfg: RLConfig) -> None:
     raise ValueError(f"unknown feedback_mode {rcfg.feedback_mode!r}; known: {', '.join(FEEDBACK_MODES)}")
   if rcfg.teacher not in TEACHERS:
     raise ValueError(f"unknown teacher {rcfg.teacher!r}; known: {', '.join(TEACHERS)}")
+  if rcfg.feedback_tokens not in FEEDBACK_TOKENS:
+    raise ValueError(f"unknown feedback_tokens {rcfg.feedback_tokens!r}; known: {', '.join(FEEDBACK_TOKENS)}")
+  if rcfg.hint not in HINTS:
+    raise ValueError(f"unknown hint {rcfg.hint!r}; known: {', '.join(HINTS)}")
   if rcfg.lambda_feedback < 0:
     raise ValueError(f"lambda_feedback must be ≥ 0, got {rcfg.lambda_feedback}")
 
@@ -75,15 +87,17 @@ def make_rl_step(
   with_feedback: bool,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Jitted, donated step; a non-finite loss or gradient keeps the old params and optimizer state.
-  With `rcfg.teacher == "ema"`, `tx` must be `teacher_optimizer(...)`'s (the teacher lives in its state)."""
+  Unless `rcfg.teacher == "live"`, `tx` must be `teacher_optimizer(...)`'s (the teacher is in its state)."""
   check_config(rcfg)
   loss_fn = functools.partial(rl_loss, cfg=cfg, rcfg=rcfg, with_feedback=with_feedback)
-  ema = rcfg.teacher == "ema"
+  held = rcfg.teacher != "live" and with_feedback  # the step without feedback has no teacher
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    if ema and not isinstance(state.opt_state, TeacherState):
-      raise ValueError('teacher="ema" needs the optimizer state of rl.step.teacher_optimizer(tx, rcfg).')
-    teacher = state.opt_state.teacher if ema else None
+    if held and not isinstance(state.opt_state, TeacherState):
+      raise ValueError(
+        f'teacher="{rcfg.teacher}" needs the optimizer state of rl.step.teacher_optimizer(tx, rcfg).'
+      )
+    teacher = state.opt_state.teacher if held else None
     (loss, (m, aux)), grads = jax.value_and_grad(
       lambda p: loss_fn(p, batch=batch, teacher_params=teacher), has_aux=True
     )(state.params)

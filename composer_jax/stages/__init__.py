@@ -5,9 +5,11 @@ and a `STAGE = Stage(...)` record (what it depends on, what it writes, how the r
 it to `REGISTRY` below. `pipeline`, `resume` and `report` read nothing else.
 """
 
-from composer_jax.stages import compile, demo, plan, pretrain, rl, sft, synth
+from composer_jax.stages import compile, demo, gate, plan, pretrain, rl, sft, synth
 from composer_jax.stages.record import Interrupted, Stage
 
-REGISTRY: dict[str, Stage] = {s.STAGE.name: s.STAGE for s in (demo, pretrain, synth, sft, rl, plan, compile)}
+REGISTRY: dict[str, Stage] = {
+  s.STAGE.name: s.STAGE for s in (demo, pretrain, synth, sft, gate, rl, plan, compile)
+}
 
 __all__ = ["REGISTRY", "Interrupted", "Stage"]

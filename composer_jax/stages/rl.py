@@ -63,16 +63,18 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
   schedule = optim.lr_schedule(ocfg)
   steps = {fb: step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
   evaluate = None  # the fixed problem set (rl.eval_every, rl.eval_problems): step-to-step noise-free progress
-  if rcfg.env == "toy" and rcfg.eval_every > 0:
+  if rcfg.env in factories.MAKE_ONE and rcfg.eval_every > 0:
     evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
   metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
   notes = {"total_steps": ocfg.total_steps}
   with outputs.opened(pathlib.Path(workdir, name), record, rcfg.keep_checkpoints, metrics_dir, notes) as out:
-    state = _start(state, out, tx, workdir, cfg, name, ocfg)
+    state = _start(state, out, tx, config, workdir, name, ocfg)
     logging.info(
-      "[%s] env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s (%s)",
+      "[%s] env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s (%s, %s form, %s "
+      "teacher, %s tokens, %s hint)",
       name, rcfg.env, rcfg.steps, rcfg.problems_per_step, rcfg.group_size, rcfg.objective, rcfg.advantage,
-      rcfg.lambda_feedback, rcfg.divergence,
+      rcfg.lambda_feedback, rcfg.divergence, rcfg.feedback_mode, rcfg.teacher, rcfg.feedback_tokens,
+      rcfg.hint,
     )  # fmt: skip
     state, summary = loop.fit(
       state, steps, make_envs, cfg, rcfg, writer=out.writer, save=out.save, evaluate=evaluate
@@ -113,20 +115,27 @@ def eval_history(path: pathlib.Path) -> list[dict]:
   ]
 
 
-def _start(state: Any, out: outputs.Outputs, tx: Any, workdir: str, cfg: Any, name: str, ocfg: Any) -> Any:
-  """The arm's own newest good checkpoint, else the SFT params with a fresh optimizer state."""
+def _start(
+  state: Any, out: outputs.Outputs, tx: Any, config: Config, workdir: str, name: str, ocfg: Any
+) -> Any:
+  """The arm's own newest good checkpoint, else the SFT params (or `init_from`'s weights) with a fresh
+  optimizer state."""
   from composer_jax import train
 
   state, resumed = outputs.resume(out, state, name, ocfg)
   if resumed is not None:
     return state
-  params = sft.load_params(workdir, cfg)
-  if params is None:
+  params = sft.load_params(workdir, configs.rl_model(config))
+  if params is not None:
+    logging.info("[%s] starting from the SFT checkpoint in %s/sft", name, workdir)
+  elif config.init_from:
+    logging.info("[%s] no SFT checkpoint under <workdir>/sft: starting from init_from's weights", name)
+    params = sft.checkpoint_params(config)
+  else:
     logging.warning(
       "[%s] no SFT checkpoint under <workdir>/sft: starting from random weights (run sft first)", name
     )
     return state
-  logging.info("[%s] starting from the SFT checkpoint in %s/sft", name, workdir)
   return train.TrainState(step=state.step, params=params, opt_state=tx.init(params))
 
 
@@ -156,10 +165,30 @@ def _arm(s: dict) -> dict:
   return out | {k: s[k] for k in ("checkpoints", "metrics") if k in s}
 
 
+def _effect(r: dict, nofb: dict) -> dict | None:
+  """With − without feedback, on the fixed problems after the last evaluation when both arms have them
+  (else the training rollouts' last window): reward, invalid-call rate, and whether feedback is ahead on
+  both (higher reward, invalid-call rate no higher)."""
+  if "eval" in r and "eval" in nofb:
+    a, b, where = (
+      r["eval"]["last"],
+      nofb["eval"]["last"],
+      f"fixed problems at step {r['eval']['last']['step']}",
+    )
+  elif "reward" in r and "reward" in nofb:
+    a, b = ({k: x[k]["last"] for k in ("reward", "invalid_call_rate")} for x in (r, nofb))
+    where = f"training rollouts, last {r.get('window', 1)} steps"
+  else:
+    return None
+  d_rew, d_inv = a["reward"] - b["reward"], a["invalid_call_rate"] - b["invalid_call_rate"]
+  return {"where": where, "reward": d_rew, "invalid_call_rate": d_inv, "ahead": d_rew > 0 and d_inv <= 0}
+
+
 def _summarize(s: dict, w: pathlib.Path) -> dict:
   out = _arm(s)
   if s.get("without_feedback"):
     out["without_feedback"] = _arm(s["without_feedback"])
+    out["effect"] = _effect(out, out["without_feedback"])
   return out
 
 
@@ -167,37 +196,49 @@ def _f(x: Any, fmt: str = ".3f") -> str:
   return "n/a" if x is None else format(x, fmt)
 
 
-def _arm_line(a: dict) -> str:
+def _ff(a: dict, key: str) -> str:
+  return f"{_f(a[key]['first'])} -> {_f(a[key]['last'])}"
+
+
+def _eval_line(a: dict) -> str:
+  e0, e1 = a["eval"]["first"], a["eval"]["last"]
+  return (
+    f"reward {_f(e0['reward'])} -> {_f(e1['reward'])}, invalid-call rate {_f(e0['invalid_call_rate'])} -> "
+    f"{_f(e1['invalid_call_rate'])}"
+  )
+
+
+def _train_line(a: dict) -> str:
   if "reward" not in a:
     return f"{a.get('steps')} steps, no step finished"
-  ff = lambda key: f"{_f(a[key]['first'])} -> {_f(a[key]['last'])}"  # noqa: E731
-  line = (
-    f"reward {ff('reward')}, pass {ff('pass_rate')}, invalid-call rate {ff('invalid_call_rate')}, "
-    f"feedback turns/rollout {_f(a['feedback_turns_per_rollout'], '.2f')}, "
+  return (
+    f"reward {_ff(a, 'reward')}, pass {_ff(a, 'pass_rate')}, invalid-call rate "
+    f"{_ff(a, 'invalid_call_rate')}, feedback turns/rollout {_f(a['feedback_turns_per_rollout'], '.2f')}, "
     f"feedback KL {_f(a['feedback_kl'], '.4f')}"
   )
-  if "eval" in a:
-    e0, e1 = a["eval"]["first"], a["eval"]["last"]
-    line += (
-      f"; fixed problems, step {e0['step']} -> {e1['step']}: reward {_f(e0['reward'])} -> "
-      f"{_f(e1['reward'])}, invalid-call rate {_f(e0['invalid_call_rate'])} -> {_f(e1['invalid_call_rate'])}"
-    )
-  return line
 
 
 def _lines(r: dict) -> list[str]:
+  """Fixed problems first (the comparison), then the training stream, then where things are."""
+  nofb, lam = r.get("without_feedback"), r.get("lambda_feedback")
+  arms = [(f"RL + feedback (lambda {lam})" if lam else "RL", r)] + (
+    [("RL alone, same seeds", nofb)] if nofb else []
+  )
+  lines = []
+  if "eval" in r:
+    e = r["eval"]
+    lines.append(f"  fixed problems, step {e['first']['step']} -> {e['last']['step']}:")
+    lines += [f"    {name + ':':<30} {_eval_line(a)}" for name, a in arms if "eval" in a]
+  eff = r.get("effect")
+  if eff:
+    verdict = "feedback ahead on both" if eff["ahead"] else "feedback NOT ahead"
+    lines.append(
+      f"  feedback effect ({eff['where']}, with - without): reward {eff['reward']:+.3f}, invalid-call rate "
+      f"{eff['invalid_call_rate']:+.3f}: {verdict}"
+    )
   k = r.get("window", 1)
-  lines = [f"  first/last {k} step(s), lambda {r.get('lambda_feedback')}: {_arm_line(r)}"]
-  nofb = r.get("without_feedback")
-  if nofb:
-    lines.append(f"  same seeds, lambda 0:      {_arm_line(nofb)}")
-    if "invalid_call_rate" in r and "invalid_call_rate" in nofb:
-      d_inv = r["invalid_call_rate"]["last"] - nofb["invalid_call_rate"]["last"]
-      d_rew = r["reward"]["last"] - nofb["reward"]["last"]
-      lines.append(
-        f"  feedback effect (last {k} steps, with - without): invalid-call rate {d_inv:+.3f}, "
-        f"reward {d_rew:+.3f}"
-      )
+  lines.append(f"  training rollouts, first/last {k} step(s):")
+  lines += [f"    {name + ':':<30} {_train_line(a)}" for name, a in arms]
   lines.append(f"  checkpoints {r.get('checkpoints')}, metrics {r.get('metrics')}")
   return lines
 
@@ -228,7 +269,7 @@ STAGE = Stage(
   run=run,
   check=_check,
   doc="multi-turn RL with targeted text feedback from the SFT checkpoint (and the same run without)",
-  depends=("seed", "model", "optim", "rl"),
+  depends=("seed", "model", "optim", "rl", "init_from"),
   outputs=("rl", "rl_metrics", "rl_episodes", "rl_nofb", "rl_nofb_metrics", "rl_nofb_episodes", "rl.json"),
   upstream=lambda config: ("sft", "synth") if config.rl.env == "coding" else ("sft",),
   extends=tuple(f"rl.{k}" for k in configs.CADENCE),

@@ -1,4 +1,5 @@
 """Stage `sft`: the small one-device RL model (`configs.rl_model`) warmed up on toy tool-use demonstrations.
+With `init_from`, the checkpoint's own model and tokenizer (`rl.tokenizer`) instead, from its weights.
 
   <workdir>/sft (checkpoints), sft_metrics/ (JSONL), sft.json (losses, evaluation on fresh problems)
 
@@ -22,7 +23,8 @@ from composer_jax.stages import outputs
 from composer_jax.stages.record import Interrupted, Stage
 
 # What the sampled evaluation after SFT depends on, besides the SFT run itself.
-_ROLLOUT_FIELDS = ("temperature", "top_k", "max_turns", "max_turn_tokens", "cache_len")
+_ROLLOUT_FIELDS = ("env", "stale", "temperature", "top_k", "max_turns", "max_turn_tokens", "cache_len")
+_ROLLOUT_FIELDS += ("tokenizer",)
 
 
 def sft_optimizer(config: Config) -> configs.OptimizerConfig:
@@ -33,13 +35,13 @@ def sft_optimizer(config: Config) -> configs.OptimizerConfig:
 def run(config: Config, workdir: str) -> dict[str, Any]:
   """SFT on `toy.demonstrations`; resumes from `<workdir>/sft`; evaluates on fresh problems."""
   from composer_jax import train
-  from composer_jax.rl import rollout, sft
-  from composer_jax.rl.envs import toy
+  from composer_jax.rl import chat, rollout, sft
+  from composer_jax.rl.envs import factories
 
   cfg, scfg = configs.rl_model(config), config.sft
   ocfg = sft_optimizer(config)
   tx = optim.build_optimizer(cfg, ocfg, None)
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
+  state = train.create_state(cfg, tx, jax.random.key(config.seed), None, params=checkpoint_params(config))
   record = configs.record(
     model=cfg, optim=configs.identity(ocfg), sft=configs.identity(scfg), seed=config.seed
   )
@@ -53,13 +55,12 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
       scfg.steps,
       scfg.batch_size,
     )
-    demos = toy.demonstrations(
-      scfg.demos, seed=config.seed, mistake_fraction=scfg.mistake_fraction, hint_fraction=scfg.hint_fraction
-    )
+    demos = factories.demonstrations(config.rl, scfg, config.seed)
     step = sft.make_sft_step(cfg, tx, optim.lr_schedule(ocfg), router_bias_rate=scfg.router_bias_rate)
     state, summary = sft.fit(
-      state, step, demos, scfg, seed=config.seed, writer=out.writer, save=out.save, check=out.check
-    )
+      state, step, demos, scfg, seed=config.seed, writer=out.writer, save=out.save, check=out.check,
+      pad_id=chat.tokenizer(config.rl.tokenizer).pad_id,
+    )  # fmt: skip
   if summary["interrupted"]:
     raise Interrupted(f"sft stopped at step {summary['steps']} and saved its checkpoint")
   summary.pop("losses")
@@ -78,6 +79,17 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   summary["checkpoints"] = str(pathlib.Path(workdir, "sft"))
   pathlib.Path(workdir, "sft.json").write_text(json.dumps(summary, indent=1))
   return summary
+
+
+def checkpoint_params(config: Config) -> Any | None:
+  """The `init_from` checkpoint's weights on one device (None without `init_from`): what sft starts from,
+  and gate and rl when there is no SFT checkpoint."""
+  if not config.init_from:
+    return None
+  from composer_jax import model
+
+  logging.info("[sft] weights from the Hugging Face checkpoint %s", config.init_from)
+  return model.load_hf_checkpoint(config.init_from, configs.rl_model(config), None)
 
 
 def load_params(workdir: str, cfg: ModelConfig) -> Any | None:
@@ -129,15 +141,22 @@ def _lines(r: dict) -> list[str]:
 
 
 def _check(config: Config) -> None:
-  if config.init_from:
-    raise configs.ConfigError(
-      "init_from starts demo and pretrain from a checkpoint; the sft and rl stages train the small "
-      "byte-level chat model (rl.model): run them in a run without init_from"
-    )
+  """The model builds and the chat tokenizer has the turn format's tokens and fits the vocabulary."""
+  from composer_jax.rl import chat
+
   try:
-    configs.rl_model(config)
+    cfg = configs.rl_model(config)
   except ValueError as e:
     raise configs.ConfigError(f"rl.model: {e}") from None
+  try:
+    tok = chat.tokenizer(config.rl.tokenizer)
+  except (ValueError, OSError) as e:
+    raise configs.ConfigError(f"rl.tokenizer: {e}") from None
+  if tok.vocab_size > cfg.vocab_size:
+    raise configs.ConfigError(
+      f"rl.tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}: "
+      "raise --config.rl.model.vocab_size (or use the checkpoint's own tokenizer)"
+    )
 
 
 STAGE = Stage(
@@ -145,7 +164,8 @@ STAGE = Stage(
   run=run,
   check=_check,
   doc="SFT warm-up of the small one-device RL model on toy tool-use demonstrations",
-  depends=("seed", "model", "optim", "sft", "rl.model") + tuple(f"rl.{k}" for k in _ROLLOUT_FIELDS),
+  depends=("seed", "model", "optim", "sft", "rl.model", "init_from")
+  + tuple(f"rl.{k}" for k in _ROLLOUT_FIELDS),
   extends=tuple(f"sft.{k}" for k in configs.CADENCE),
   outputs=("sft", "sft_metrics", "sft.json"),
   summarize=_summarize,

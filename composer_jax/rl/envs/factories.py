@@ -1,42 +1,95 @@
 """Environment factories: what the RL loop rolls out at step s, as a pure function of (config, s).
 
-  make = factory(rcfg, workdir, episodes_dir)   # by `rcfg.env`: "toy" | "coding"
+  make = factory(rcfg, workdir, episodes_dir)   # by `rcfg.env`: "stale" | "toy" | "coding"
   env_list, seeds, group_ids = make(step)        # P problems × G rollouts, one group per problem
+  env_list, seeds = fixed_set(rcfg, n)           # the fixed evaluation problems (arithmetic envs)
+  demos = demonstrations(rcfg, scfg, seed)       # the SFT corpus of the env's family
 
 Adding an environment: write it under `rl/envs/` (the `Env` protocol in `rl/envs/__init__.py`), then a
-factory here and its name in `FACTORIES`.
+factory here and its name in `FACTORIES` (and in `MAKE_ONE` if it has a fixed evaluation set).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Callable
 
 import numpy as np
 
-from composer_jax.configs import RLConfig
+from composer_jax.configs import RLConfig, SFTConfig
 from composer_jax.rl.envs import Env
 
 Make = Callable[[int], tuple[list[Env], list[int], list[int]]]
 
 
-def toy_envs(rcfg: RLConfig, workdir: str | None = None, episodes: pathlib.Path | None = None) -> Make:
-  """P arithmetic problems × G rollouts per step; the problem seeds are a pure function of (seed, step)."""
+def _toy(rcfg: RLConfig) -> Env:
   from composer_jax.rl.envs import toy
 
-  toy_cfg = toy.ToyConfig(max_turns=rcfg.max_turns)
+  return toy.ToyEnv(toy.ToyConfig(max_turns=rcfg.max_turns))
+
+
+def _stale(rcfg: RLConfig) -> Env:
+  from composer_jax.rl.envs import stale
+
+  s = rcfg.stale
+  cfg = stale.StaleConfig(
+    stale_rate=s.rate,
+    invalid_penalty=s.invalid_penalty,
+    max_errors=s.max_errors,
+    max_ops=s.max_ops,
+    max_turns=rcfg.max_turns,
+  )
+  return stale.StaleEnv(cfg)
+
+
+# One fresh environment of a seeded-problem family (the fixed evaluation set and the gate use these).
+MAKE_ONE: dict[str, Callable[[RLConfig], Env]] = {"toy": _toy, "stale": _stale}
+
+
+def seeded_envs(rcfg: RLConfig, workdir: str | None = None, episodes: pathlib.Path | None = None) -> Make:
+  """P problems × G rollouts per step; the problem seeds are a pure function of (seed, step)."""
+  make_one = MAKE_ONE[rcfg.env]
 
   def make(step: int):
     rng = np.random.default_rng([rcfg.seed, step, 1])
     seeds = rng.integers(0, 1 << 30, size=rcfg.problems_per_step).tolist()
     G = rcfg.group_size
     return (
-      [toy.ToyEnv(toy_cfg) for _ in range(len(seeds) * G)],
+      [make_one(rcfg) for _ in range(len(seeds) * G)],
       [s for s in seeds for _ in range(G)],
       [p for p in range(len(seeds)) for _ in range(G)],
     )
 
   return make
+
+
+def toy_envs(rcfg: RLConfig, workdir: str | None = None, episodes: pathlib.Path | None = None) -> Make:
+  """`seeded_envs` of the arithmetic toy, whatever `rcfg.env` says."""
+  return seeded_envs(dataclasses.replace(rcfg, env="toy"))
+
+
+def fixed_set(rcfg: RLConfig, n: int, seed: int = 12345) -> tuple[list[Env], list[int]]:
+  """`n` problems of `rcfg.env`'s family, the same for every run with this `seed` (one rollout each)."""
+  if rcfg.env not in MAKE_ONE:
+    raise ValueError(f"no fixed problem set for rl.env={rcfg.env!r}; have {', '.join(MAKE_ONE)}")
+  seeds = np.random.default_rng([seed]).integers(0, 1 << 30, size=n).tolist()
+  return [MAKE_ONE[rcfg.env](rcfg) for _ in seeds], seeds
+
+
+def demonstrations(rcfg: RLConfig, scfg: SFTConfig, seed: int) -> list:
+  """The SFT corpus: the stale-docs demonstrations for `stale`, the toy's otherwise (coding has none:
+  the small model learns the turn format on the toy)."""
+  from composer_jax.rl import chat
+  from composer_jax.rl.envs import stale, toy
+
+  tok = chat.tokenizer(rcfg.tokenizer)
+  if rcfg.env == "stale":
+    cfg = stale.StaleConfig(max_ops=rcfg.stale.max_ops, max_turns=rcfg.max_turns)
+    return stale.demonstrations(scfg.demos, seed=seed, cfg=cfg, tok=tok)
+  return toy.demonstrations(
+    scfg.demos, seed=seed, mistake_fraction=scfg.mistake_fraction, hint_fraction=scfg.hint_fraction, tok=tok
+  )
 
 
 def coding_envs(rcfg: RLConfig, workdir: str, root: pathlib.Path) -> Make:
@@ -65,7 +118,7 @@ def coding_envs(rcfg: RLConfig, workdir: str, root: pathlib.Path) -> Make:
   return make
 
 
-FACTORIES: dict[str, Callable[..., Make]] = {"toy": toy_envs, "coding": coding_envs}
+FACTORIES: dict[str, Callable[..., Make]] = {"toy": seeded_envs, "stale": seeded_envs, "coding": coding_envs}
 
 
 def factory(rcfg: RLConfig, workdir: str, episodes: pathlib.Path) -> Make:

@@ -72,7 +72,12 @@ class ToyEnv:
     return self.cfg.max_turns
 
   def info(self) -> dict:
-    return {"tools": TOOLS, "example": "add 3 4"}
+    return {"tools": TOOLS, "example": "add 3 4", "arity": (("add", 2), ("mul", 2), ("answer", 1))}
+
+  def check(self, call: chat.ToolCall | chat.ParseError) -> str:
+    """The error text for a call ("" if accepted); pure (the feedback gate asks it)."""
+    obs = observe(call)[0]
+    return obs if obs.startswith("Error") else ""
 
   def reset(self, seed: int) -> list[tuple[int, str]]:
     self.problem, self.answered, self.invalid = make_problem(seed, self.cfg), None, 0
