@@ -127,7 +127,7 @@ def _start(state: Any, ckpt: Any, tx: Any, workdir: str, cfg: Any, name: str) ->
     )
     return state
   logging.info("[%s] starting from the SFT checkpoint in %s/sft", name, workdir)
-  return train.TrainState(step=state.step, params=params, opt_state=tx.init(params))
+  return train.state.committed(train.TrainState(step=state.step, params=params, opt_state=tx.init(params)))
 
 
 def _window_means(values: list[float]) -> tuple[float, float, int]:
