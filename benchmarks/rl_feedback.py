@@ -80,6 +80,8 @@ def run_arm(config, cfg, rcfg, params):
   steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
   evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
   _, summary = rl_loop.fit(state, steps, factories.seeded_envs(rcfg), cfg, rcfg, evaluate=evaluate)
+  if summary["interrupted"]:  # not a result: stop here (the finished runs are saved)
+    raise SystemExit(f"interrupted at step {summary['steps']}; rerun the command to continue")
   return {"history": summary["history"], "evals": summary["evals"], "seconds": summary["seconds"]}
 
 
@@ -304,8 +306,8 @@ def main():
   # Seed-major: each seed's arms finish together, so a run cut short still leaves complete pairs.
   for seed in args.seeds.split(","):
     for arm in args.arms.split(","):
-      if seed in runs.get(arm, {}):
-        continue
+      if len(runs.get(arm, {}).get(seed, {}).get("history", [])) >= args.steps:
+        continue  # finished before
       print(f"== {LABEL[arm]}, seed {seed}", flush=True)
       r = runs.setdefault(arm, {})[seed] = run_arm(config, cfg, arm_config(config.rl, arm, int(seed)), params)
       ev = r["evals"]
