@@ -20,12 +20,8 @@ def bench():
 
 def _run(rewards, invalid):
   """One arm's run: fixed-set evaluations at steps 0, 15, 30."""
-  return {
-    "evals": [
-      {"step": s, "reward": r, "invalid_call_rate": i} for s, r, i in zip((0, 15, 30), rewards, invalid)
-    ],
-    "history": [],
-  }
+  points = zip((0, 15, 30), rewards, invalid, strict=True)
+  return {"evals": [{"step": s, "reward": r, "invalid_call_rate": i} for s, r, i in points], "history": []}
 
 
 def _runs(fb_final=0.8, fb_invalid=0.05, null_final=0.5, n=6):
