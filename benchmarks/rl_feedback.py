@@ -63,8 +63,8 @@ def fresh_state(config, cfg, rcfg, params):
   ocfg = rl_stage.rl_optimizer(config, rcfg)
   tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, None), rcfg)
   params = jax.tree.map(lambda x: x.copy(), params)  # the steps donate their state
-  state = train.TrainState(
-    step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params)
+  state = train.state.committed(
+    train.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params))
   )
   return state, tx, optim.lr_schedule(ocfg)
 
@@ -80,6 +80,8 @@ def run_arm(config, cfg, rcfg, params):
   steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
   evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
   _, summary = rl_loop.fit(state, steps, factories.seeded_envs(rcfg), cfg, rcfg, evaluate=evaluate)
+  if summary["interrupted"]:  # not a result: stop here (the finished runs are saved)
+    raise SystemExit(f"interrupted at step {summary['steps']}; rerun the command to continue")
   return {"history": summary["history"], "evals": summary["evals"], "seconds": summary["seconds"]}
 
 
@@ -294,18 +296,26 @@ def main():
     return
   report = [f"## RL alone vs RL + feedback vs null hint ({config.rl.env} env){args.tag}", ""]
   if args.gate:
-    g = gate_stage.run(config, workdir)
+    gate_path = pathlib.Path(workdir, "gate.json")  # the gate of this SFT checkpoint, run once
+    g = json.loads(gate_path.read_text()) if gate_path.exists() else gate_stage.run(config, workdir)
     report += [f"- gate: {'PASS' if g['passed'] else 'FAIL'}"] + [
       f"  - {k} {'pass' if v['pass'] else 'FAIL'}: {v['why']}" for k, v in g.get("gates", {}).items()
     ]
   path = pathlib.Path(workdir, f"rl_feedback{args.tag}.json")
   runs = json.loads(path.read_text())["runs"] if path.exists() else {}
-  for arm in args.arms.split(","):
-    for seed in args.seeds.split(","):
-      if seed in runs.get(arm, {}):
-        continue
+  # Seed-major: each seed's arms finish together, so a run cut short still leaves complete pairs.
+  for seed in args.seeds.split(","):
+    for arm in args.arms.split(","):
+      if len(runs.get(arm, {}).get(seed, {}).get("history", [])) >= args.steps:
+        continue  # finished before
       print(f"== {LABEL[arm]}, seed {seed}", flush=True)
-      runs.setdefault(arm, {})[seed] = run_arm(config, cfg, arm_config(config.rl, arm, int(seed)), params)
+      r = runs.setdefault(arm, {})[seed] = run_arm(config, cfg, arm_config(config.rl, arm, int(seed)), params)
+      ev = r["evals"]
+      print(
+        f"   fixed-set reward {ev[0]['reward']:.3f} -> {ev[-1]['reward']:.3f}, invalid-call rate "
+        f"{ev[0]['invalid_call_rate']:.3f} -> {ev[-1]['invalid_call_rate']:.3f}, {r['seconds']:.0f} s",
+        flush=True,
+      )
       path.write_text(json.dumps({"runs": runs, "rl": configs.plain(config.rl)}, indent=1, default=str))
   table = per_seed(runs)
   lines, ok = verdict(table)

@@ -287,6 +287,9 @@ def test_sft_steps_lower_the_loss():
     state, m = step(state, batch)
     losses.append(float(m["loss"]))
   assert losses[-1] < losses[0] - 0.3, losses
+  # One program for all 8 steps: a fresh state's scalars are committed like the step's outputs
+  # (an uncommitted step counter compiled the step again at step 2).
+  assert step._cache_size() == 1
 
 
 def test_one_rl_step_end_to_end_and_env_failure_marks_rollout():

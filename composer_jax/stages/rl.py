@@ -77,7 +77,7 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
       rcfg.hint,
     )  # fmt: skip
     state, summary = loop.fit(
-      state, steps, make_envs, cfg, rcfg, writer=out.writer, save=out.save, evaluate=evaluate
+      state, steps, make_envs, cfg, rcfg, writer=out.writer, save=out.save, evaluate=evaluate, name=name
     )
   if summary["interrupted"]:
     raise Interrupted(f"{name} stopped at step {summary['steps']} and saved its checkpoint")
@@ -136,7 +136,7 @@ def _start(
       "[%s] no SFT checkpoint under <workdir>/sft: starting from random weights (run sft first)", name
     )
     return state
-  return train.TrainState(step=state.step, params=params, opt_state=tx.init(params))
+  return train.state.committed(train.TrainState(step=state.step, params=params, opt_state=tx.init(params)))
 
 
 def _window_means(values: list[float]) -> tuple[float, float, int]:
