@@ -49,6 +49,7 @@ def fit(
   check: Callable[[], None] | None = None,
   rules: feedback.FeedbackRules | None = None,
   evaluate: Callable[[Any], dict[str, float]] | None = None,
+  name: str = "rl",
 ) -> tuple[TrainState, dict]:
   """RL from `state.step` to `rcfg.steps`. `steps[True]`/`steps[False]`: the step with/without the
   teacher. `make_envs(step)` gives (envs, seeds, group ids) for the step's P × G rollouts.
@@ -92,7 +93,7 @@ def fit(
     sync=True,
   )
   schedule = loop.Schedule(rcfg.steps, rcfg.log_every, rcfg.eval_every, rcfg.checkpoint_every)
-  state, r = loop.fit(state, step_fn, schedule, hooks, name="rl")
+  state, r = loop.fit(state, step_fn, schedule, hooks, name=name)  # name: the arm in the log lines
   evals = [
     {"step": e["step"]} | {k.removeprefix("eval_"): v for k, v in e.items() if k != "step"} for e in r.evals
   ]
