@@ -106,6 +106,8 @@ def test_mesh_table_matches_the_configs_the_compiles_and_the_plan(row):
   assert int(row["devices"]) == math.prod(config.mesh.dense)
   compiled = next(r for r in _COMPILED if _variant(r["variant"]) == variant)
   assert _numbers(row["peak / chip, v5p (XLA:TPU)"])[0] == _numbers(compiled[_XLA_COLUMN])[2]
+  v6e_gib = 32e9 / _GIB  # a v6e chip's HBM: 32 GB
+  assert "or v6e" not in row["TPU"] or _numbers(compiled[_XLA_COLUMN])[2] <= v6e_gib, row
   gpu = core.make_plan(config)
   (quoted,) = _numbers(row["peak / GPU (plan only)"])
   assert abs(gpu.peak_bytes / _GIB - quoted) <= _ROUNDING, (gpu.peak_bytes / _GIB, row)
