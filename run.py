@@ -153,7 +153,10 @@ def _usable_workdir(path: str) -> str:
 
 
 def _devices(config) -> None:
-  """Platform and device count, before any backend exists."""
+  """Platform and device count, before any backend exists (and the overlap flags of `backend`)."""
+  from composer_jax import backend
+
+  backend.set_overlap_flags()
   cpu = _cpu_only()
   if cpu:
     jax.config.update("jax_platforms", "cpu")  # skips probing for a TPU.

@@ -13,7 +13,8 @@ own initialisers; no checkpoint.
 
 Protocol, one JSON object per stdout line: after building the model and two untimed rollouts
 (compilation), `{"ready": ..., "params": ..., "active_params": ..., "versions": ..., "compile_s": ...}`;
-then for every line `run` on stdin one timed rollout, `{"seconds": ..., "new_tokens": [...]}`; `quit`
+then for every line `run` on stdin one timed rollout, `{"seconds": ..., "cpu_seconds": ...,
+"new_tokens": [...]}` (wall time, and CPU time of the process, all its threads); `quit`
 (or EOF) ends it. A rollout is one `Sampler.__call__` (host tokenisation of the prompts, prefill,
 compiled decode loop, host detokenisation of the outputs), timed around the call; its result is on
 the host when the call returns.
@@ -148,10 +149,14 @@ def main():
       break
     if cmd != "run":
       continue
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = rollout()
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "new_tokens": [len(t) for t in out.tokens]}), flush=True)
+    cpu = time.process_time() - c0
+    print(
+      json.dumps({"seconds": seconds, "cpu_seconds": cpu, "new_tokens": [len(t) for t in out.tokens]}),
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -68,13 +68,13 @@ def naive_sample(params, cfg, prompts_BP, lengths_B, keys_B, temperature, top_k,
   real_BP = jnp.arange(P)[None, :] < lengths_B[:, None]
   buf_BT = jnp.pad(jnp.where(real_BP, prompts_BP, 0), ((0, 0), (0, N)))
   rows_B = jnp.arange(B)
+  u_BN = jax.vmap(lambda k: jax.random.uniform(k, (N,)))(keys_B)  # as `sampler.decode` draws them
 
   def step(t, carry):
     buf_BT, out_BN = carry
     logits_BTV, _ = model.apply(params, cfg, buf_BT)
     logits_BV = logits_BTV[rows_B, lengths_B + t - 1]
-    keys_t = jax.vmap(jax.random.fold_in, (0, None))(keys_B, t)
-    token_B, _, _ = sampler.select(logits_BV, keys_t, temperature, top_k, top_p)
+    token_B, _, _ = sampler.select_uniform(logits_BV, u_BN[:, t], temperature, top_k, top_p)
     return buf_BT.at[rows_B, lengths_B + t].set(token_B), out_BN.at[:, t].set(token_B)
 
   _, out_BN = jax.lax.fori_loop(0, N, step, (buf_BT, jnp.zeros((B, N), jnp.int32)))
@@ -146,14 +146,60 @@ class TunixSide:
     if any(n != self.new_tokens for n in reply["new_tokens"]):
       raise RuntimeError(f"Tunix generated {reply['new_tokens']} tokens per row, expected {self.new_tokens}")
 
-  def __call__(self) -> float:
-    """Seconds of one rollout, timed inside the Tunix process around `Sampler.__call__`."""
+  def __call__(self) -> tuple[float, float]:
+    """(wall, CPU) seconds of one rollout, timed inside the Tunix process around `Sampler.__call__`."""
     self.wait_ready()
     self.proc.stdin.write("run\n")
     self.proc.stdin.flush()
     reply = self._reply()
     self._check(reply)
-    return reply["seconds"]
+    return reply["seconds"], reply["cpu_seconds"]
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.stdin.write("quit\n")
+      self.proc.stdin.close()
+      self.proc.wait(timeout=60)
+
+
+class BaselineSide:
+  """Our sampler from another source tree (`_ours_sampler.py` with PYTHONPATH=<tree>), in a subprocess,
+  e.g. the previous commit (`git archive <commit> | tar -x -C <dir>`): before and after in one run."""
+
+  def __init__(self, src: str, prompts_BP, lengths_B, args):
+    spec = {
+      "prompts": np.asarray(prompts_BP).tolist(),
+      "lengths": np.asarray(lengths_B).tolist(),
+      "new_tokens": args.new,
+      "temperature": args.temperature,
+      "top_k": args.top_k,
+      "tiny": args.tiny,
+    }
+    env = _tunix_env() | {"PYTHONPATH": os.path.abspath(src)}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ours_sampler.py")
+    self.proc = subprocess.Popen(
+      [sys.executable, script, json.dumps(spec)],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    self.info: dict | None = None
+
+  def wait_ready(self) -> dict:
+    if self.info is None:
+      line = self.proc.stdout.readline()
+      if not line:
+        raise RuntimeError(f"baseline side exited ({self.proc.wait()}); its stderr is above")
+      self.info = json.loads(line)
+    return self.info
+
+  def __call__(self) -> tuple[float, float]:
+    self.wait_ready()
+    self.proc.stdin.write("run\n")
+    self.proc.stdin.flush()
+    reply = json.loads(self.proc.stdout.readline())
+    return reply["seconds"], reply["cpu_seconds"]
 
   def close(self):
     if self.proc.poll() is None:
@@ -185,6 +231,8 @@ def public_command(argv: list[str]) -> str:
       a = "--tunix_python=<tunix venv>/bin/python"
     elif i and argv[i - 1] == "--tunix_python":
       a = "<tunix venv>/bin/python"
+    elif eq and flag == "--baseline_src" or i and argv[i - 1] == "--baseline_src":
+      a = a.replace(a.partition("=")[2] if eq else a, "<previous commit's tree>")
     elif i and argv[i - 1] == "--out" and os.path.isabs(a):
       a = os.path.basename(a)
     out.append(a)
@@ -202,6 +250,7 @@ def main():
   ap.add_argument("--tiny", action="store_true", help="a small model, for a quick correctness run")
   ap.add_argument("--no_naive", action="store_true", help="skip the (slow) naive full-recompute side")
   ap.add_argument("--tunix_python", default=None, help="python of a venv with `pip install google-tunix`")
+  ap.add_argument("--baseline_src", default=None, help="another source tree of ours, run side by side")
   ap.add_argument("--out", default=None, help="append a dated markdown section to this file")
   args = ap.parse_args()
   cfg = TINY if args.tiny else BENCH
@@ -221,6 +270,7 @@ def main():
       [int(t) for t in row[:n]] for row, n in zip(np.asarray(prompts_BP), np.asarray(lengths_B), strict=True)
     ]
     tunix = TunixSide(args.tunix_python, cfg, real, args)
+  baseline = BaselineSide(args.baseline_src, prompts_BP, lengths_B, args) if args.baseline_src else None
 
   def kv():
     out = sampler.sample(
@@ -242,6 +292,7 @@ def main():
     return jax.block_until_ready(out)
 
   KV, NAIVE, TUNIX = "kv cache (rl.sampler)", "naive full recompute", "Tunix Sampler (Qwen3-MoE)"
+  BASE = "kv cache, baseline tree"
   sides = {KV: kv} if args.no_naive else {KV: kv, NAIVE: naive}
   tokens = {}
   for name, fn in sides.items():
@@ -261,25 +312,42 @@ def main():
       flush=True,
     )
     sides[TUNIX] = tunix
+  if baseline is not None:
+    info = baseline.wait_ready()
+    same = np.array_equal(np.asarray(info["tokens"]), tokens[KV])
+    print(f"{BASE}: first call {info['compile_s']:.1f}s; same tokens as ours: {same}", flush=True)
+    sides[BASE] = baseline
   times = {name: [] for name in sides}
+  cpu = {name: [] for name in sides}
   loads = [os.getloadavg()[0]]
   for r in range(args.rounds):  # alternate sides every round
     for name, fn in sides.items():
-      start = time.perf_counter()
+      start, cpu_start = time.perf_counter(), time.process_time()
       out = fn()
-      times[name].append(out if name == TUNIX else time.perf_counter() - start)
+      wall, used = (
+        out if name in (TUNIX, BASE) else (time.perf_counter() - start, time.process_time() - cpu_start)
+      )
+      times[name].append(wall)
+      cpu[name].append(used)
       loads.append(os.getloadavg()[0])
-      print(f"round {r + 1}/{args.rounds} {name}: {times[name][-1]:.2f}s (load {loads[-1]:.1f})", flush=True)
-  if tunix is not None:
-    tunix.close()
+      print(
+        f"round {r + 1}/{args.rounds} {name}: {wall:.2f}s, CPU {used:.2f}s (load {loads[-1]:.1f})", flush=True
+      )
+  for side in (tunix, baseline):
+    if side is not None:
+      side.close()
 
   med = {name: statistics.median(ts) for name, ts in times.items()}
-  head = "| side | s/rollout (median) | tok/s |" + (" × naive |" if NAIVE in med else "") + " rounds (s) |"
+  cmed = {name: statistics.median(ts) for name, ts in cpu.items()}
+  head = "| side | s/rollout (median) | tok/s | CPU s/rollout |" + (" × naive |" if NAIVE in med else "")
+  head += " rounds (s) |"
   lines = [head, "|---" * head.count(" |") + "|"]
   for name, ts in times.items():
     rounds = ", ".join(f"{t:.2f}" for t in ts)
     ratio = f" {med[NAIVE] / med[name]:.1f} |" if NAIVE in med else ""
-    lines.append(f"| {name} | {med[name]:.2f} | {B * N / med[name]:.0f} |{ratio} {rounds} |")
+    lines.append(
+      f"| {name} | {med[name]:.2f} | {B * N / med[name]:.0f} | {cmed[name]:.2f} |{ratio} {rounds} |"
+    )
   if agree is not None:
     lines.append(
       f"- same tokens on both sides: {agree:.1%} of each row before the first difference (float noise)"
@@ -287,7 +355,14 @@ def main():
   if tunix is not None:
     ours_total, ours_routed = param_counts(params)
     ours_active = ours_total - ours_routed + ours_routed * cfg.top_k // cfg.n_experts
-    lines.append(f"- ours ÷ Tunix tok/s = **{med[TUNIX] / med[KV]:.2f}**")
+    lines.append(
+      f"- ours ÷ Tunix tok/s = **{med[TUNIX] / med[KV]:.2f}** (by CPU time: {cmed[TUNIX] / cmed[KV]:.2f})"
+    )
+    if BASE in med:
+      lines.append(
+        f"- baseline tree ÷ Tunix tok/s = {med[TUNIX] / med[BASE]:.2f} "
+        f"(by CPU time: {cmed[TUNIX] / cmed[BASE]:.2f})"
+      )
     lines.append(
       f"- parameters (embedding and LM head included; active = routed experts counted {cfg.top_k} of "
       f"{cfg.n_experts}): ours {ours_total:,} total, {ours_active:,} active; Tunix "
@@ -298,6 +373,11 @@ def main():
       "- Tunix "
       + ", ".join(f"{k} {v}" for k, v in tunix.info["versions"].items())
       + f"; its first call (compile + run) {tunix.info['compile_s']:.0f}s"
+    )
+  if BASE in med:
+    lines.append(
+      f"- ours ÷ baseline tree tok/s = **{med[BASE] / med[KV]:.2f}** "
+      f"(by CPU time: {cmed[BASE] / cmed[KV]:.2f})"
     )
   lines.append(
     f"- 1-min load average during the rounds: {min(loads):.1f}–{max(loads):.1f} ({os.cpu_count()} cores)"

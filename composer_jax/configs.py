@@ -125,7 +125,11 @@ class OptimizerConfig:
   adam_b1: float = 0.9
   adam_b2: float = 0.95
   adam_eps: float = 1e-8
-  grad_clip: float = 1.0  # global norm over all gradients; 0 disables
+  grad_clip: float = 1.0  # global norm over all gradients, scaling AdamW's leaves; 0 disables
+  # Also scale Muon's gradients by it: then no Newton–Schulz can start before the whole backward pass has
+  # produced the norm. Off: Muon's update size is set by the orthogonalisation anyway.
+  clip_muon: bool = False
+  muon_dtype: str | None = None  # Newton–Schulz and its collectives ("bfloat16"); None: the param dtype
   matrix_optimizer: str = "muon"  # "adamw": AdamW on the matrices too (ablation / benchmark peer)
   qk_clip_tau: float = 100.0  # QK-clip threshold on the max attention logit (Kimi K2); 0 disables
 

@@ -40,10 +40,14 @@ PARAM_AXES = (
 # Logical names carried by activations (constraints at block and MoE boundaries).
 ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_heads", "act_vocab", "tokens")
 
+# `heads` and `embed` both map to fsdp; a parameter with both axes (o_proj [H, v, D], Moonlight's q_proj
+# [D, H, K]) is split by heads (`_CLAIMS_FIRST`), so each device holds whole per-head matrices: Muon
+# orthogonalises heads where they are, with no all-to-all (dion's per-head rule). A mesh axis shards at
+# most one dim of an array.
 DENSE_PARAM_RULES = {
   "vocab": None,
   "embed": "fsdp",
-  "heads": None,
+  "heads": "fsdp",
   "head_dim": None,
   "q_lora": None,
   "kv_lora": None,
@@ -63,8 +67,10 @@ DENSE_ACTIVATION_RULES = {
   "act_heads": None,
   "act_vocab": None,
 }
-# Tokens flattened to [batch·seq] split over every device of the expert mesh, in the same device
-# order as (batch over replica·fsdp, seq over context): the hop between meshes moves no data.
+# Tokens flattened to [batch·seq] split over every device of the expert mesh, in the same device order as
+# (batch over replica·fsdp, seq over context). The hop between meshes moves no data only if the tokens are
+# flattened device-major (`expert_parallel.device_major`; moe.py does): with several rows per device,
+# plain row-major flattening interleaves devices and costs an all-to-all per layer.
 EXPERT_ACTIVATION_RULES = {"tokens": ("expert", "expert_fsdp"), "act_embed": None}
 
 Logical = Sequence[str | None]
@@ -146,18 +152,26 @@ def is_expert_param(logical_axes: Logical) -> bool:
   return "expert" in logical_axes
 
 
+_CLAIMS_FIRST = ("heads",)  # logical axes that take their mesh axes before the others do
+
+
 def _spec(logical_axes: Logical, rules: dict[str, Any], shape: Sequence[int] | None, mesh: Mesh):
-  """Logical axes → PartitionSpec; a dim that the mesh axes don't divide stays replicated."""
-  entries = []
-  for i, name in enumerate(logical_axes):
+  """Logical axes → PartitionSpec; a dim that the mesh axes don't divide stays replicated, and a mesh
+  axis already taken by another dim (`_CLAIMS_FIRST` dims choose first) is not used again."""
+  entries: list[Any] = [None] * len(logical_axes)
+  taken: set[str] = set()
+  order = sorted(range(len(logical_axes)), key=lambda i: logical_axes[i] not in _CLAIMS_FIRST)
+  for i in order:
+    name = logical_axes[i]
     if name is not None and name not in rules:
       raise KeyError(f"Logical axis {name!r} has no rule; known: {sorted(rules)}.")
     axis = rules.get(name) if name is not None else None
-    if axis is not None and shape is not None:
-      size = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
-      if shape[i] % size:
-        axis = None
-    entries.append(axis)
+    if axis is None or taken & set(_names(axis)):
+      continue
+    if shape is not None and shape[i] % math.prod(mesh.shape[a] for a in _names(axis)):
+      continue
+    entries[i] = axis
+    taken |= set(_names(axis))
   return PartitionSpec(*entries)
 
 
@@ -246,6 +260,27 @@ def expert_layout(meshes: Meshes) -> ExpertLayout:
     fsdp=EXPERT_PARAM_RULES["embed"],
     tokens=EXPERT_ACTIVATION_RULES["tokens"],
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+  """The dense mesh as a fused attention kernel inside `shard_map` sees it: batch rows split over
+  `batch`, queries over `seq` (context parallelism), keys and values whole along the sequence."""
+
+  mesh: Mesh
+  batch: str | tuple[str, ...]
+  seq: str | tuple[str, ...] | None
+
+  def size(self, rule: str | tuple[str, ...] | None) -> int:
+    return _size(self.mesh, rule)
+
+  def spec(self, *dims: str | None) -> PartitionSpec:
+    """PartitionSpec of an activation whose dims are "batch", "seq" (queries), or None (whole)."""
+    return PartitionSpec(*(self.batch if d == "batch" else self.seq if d == "seq" else None for d in dims))
+
+
+def attention_layout(meshes: Meshes) -> AttentionLayout:
+  return AttentionLayout(meshes.dense, DENSE_ACTIVATION_RULES["batch"], DENSE_ACTIVATION_RULES["seq"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,7 +122,7 @@ def _cluster(config: configs.Config) -> configs.Config:
       checkpoint_every=500,
       peak_flops=989e12,
     ),  # fmt: skip
-    optim=configs.OptimizerConfig(learning_rate=3e-4, warmup_steps=500),
+    optim=configs.OptimizerConfig(learning_rate=3e-4, warmup_steps=500, muon_dtype="bfloat16"),
     data=configs.DataConfig(tokenizer="bpe"),
     synth=configs.SynthConfig(
       sources="toolz,boltons,cachetools,tabulate,humanize,inflection", max_tasks_per_source=None

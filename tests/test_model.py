@@ -133,6 +133,18 @@ def test_kv_cache_decode_matches_full_forward(params):
   np.testing.assert_allclose(np.concatenate(steps, axis=1), _logits(params, TOKENS_BT), rtol=1e-5, atol=1e-5)
 
 
+def test_unstacked_layers_match_the_stacks(params):
+  """`unstack_layers` (what the decode loop runs) ≡ the scanned stacks, with a cache and without."""
+  flat = model.unstack_layers(params, CFG)
+  assert isinstance(flat["moe_layers"], list) and len(flat["moe_layers"]) == CFG.n_moe_layers
+  np.testing.assert_allclose(_logits(flat, TOKENS_BT), _logits(params, TOKENS_BT), rtol=1e-6, atol=1e-6)
+  cache = model.init_cache(CFG, B, T)
+  got, got_aux = _cached_step(flat, TOKENS_BT[:, :5], cache)
+  want, want_aux = _cached_step(params, TOKENS_BT[:, :5], cache)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got_aux["cache"]["latent"], want_aux["cache"]["latent"], rtol=1e-6, atol=1e-6)
+
+
 def test_greedy_decode_matches_argmax_of_full_forwards(params):
   prompt, new = 8, 8
   decoded_BN = np.asarray(model.greedy_decode(params, CFG, jnp.asarray(TOKENS_BT[:, :prompt]), new))
@@ -226,8 +238,9 @@ def test_traced_out_of_range_token_gives_nan_logits(params, bad_id):
     (dict(n_group=2, topk_group=3), "topk_group"),
     (dict(qk_rope_head_dim=5), "qk_rope_head_dim"),
     (dict(first_k_dense=3), "first_k_dense"),
-    (dict(capacity_factor=0.0), "capacity_factor"),
-    (dict(expert_impl="dense"), "expert_impl"),
+    (dict(capacity_factor=-1.0), "capacity_factor"),
+    (dict(expert_impl="megablox"), "expert_impl"),
+    (dict(attention_impl="flash"), "attention_impl"),
   ],
 )
 def test_invalid_config_names_the_field(overrides, field):

@@ -175,8 +175,8 @@ def _designed_inputs(cfg: ModelConfig, rng):
 
 @pytest.mark.parametrize(
   "impl, capacity_factor",
-  [("capacity", 8.0), ("ragged", 8.0), ("blocked", 0.5), ("capacity", 0.5)],
-  ids=["capacity", "ragged", "blocked", "capacity_overflow"],
+  [("capacity", 8.0), ("ragged", 8.0), ("blocked", 0.5), ("dense", 0.5), ("capacity", 0.5)],
+  ids=["capacity", "ragged", "blocked", "dense", "capacity_overflow"],
 )
 def test_moe_layer_matches_hand_computation(impl, capacity_factor):
   cfg = _cfg(
@@ -222,7 +222,7 @@ def test_moe_layer_matches_hand_computation(impl, capacity_factor):
     assert np.sum(~kept_A) > 0  # the small capacity really overflows on these inputs
 
 
-@pytest.mark.parametrize("impl", ["capacity", "ragged", "blocked"])
+@pytest.mark.parametrize("impl", ["capacity", "ragged", "blocked", "dense"])
 def test_moe_layer_replays_given_experts_and_router_gets_gradient(impl):
   """Forced experts (not the designed choice) against a hand computation, and the router's gradient
   against autodiff of that hand computation's combine weights (expert outputs held fixed)."""
@@ -284,6 +284,44 @@ def test_capacity_and_ragged_paths_match_reference():
   np.testing.assert_allclose(y_ragged, expected_AD, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(y_capacity, expected_AD, rtol=1e-5, atol=1e-5)
   assert int(dropped) == 0
+
+
+def test_ragged_path_zeroes_rows_a_kernel_leaves_behind():
+  """A grouped-matmul kernel (tokamax) may leave the rows past Σ group sizes (ids outside [0, E): empty
+  EP slots) as they were; the ragged path must still return zeros there. A stand-in kernel that writes
+  garbage there runs the same code on CPU."""
+  E, D, F, A = 8, 32, 16, 40
+  rng = np.random.default_rng(12)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  ids_A = rng.integers(0, E, A).astype(np.int32)
+  ids_A[:5] = E
+  weights = _random_expert_weights(rng, E, D, F)
+
+  def sloppy(x, w, sizes, preferred_element_type=None):
+    y = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=preferred_element_type)
+    return jnp.where(jnp.arange(x.shape[0])[:, None] < jnp.sum(sizes), y, 7.0)
+
+  y_AD = jax.jit(lambda *a: experts.experts_ragged(*a, "float32", 1, sloppy))(x_AD, ids_A, *weights)
+  expected_AD = np.zeros((A, D))
+  expected_AD[5:] = np_expert_rows(x_AD[5:], ids_A[5:], *weights)
+  np.testing.assert_allclose(y_AD, expected_AD, rtol=1e-5, atol=1e-5)
+
+
+def test_tokamax_expert_kernel_matches_ragged():
+  """tokamax's grouped matmul (Mosaic on TPU, Triton on GPU) against jax.lax.ragged_dot."""
+  tokamax = pytest.importorskip("tokamax", reason="tokamax is not installed (extra `kernels`)")
+  platform = jax.devices()[0].platform
+  if platform not in ("tpu", "gpu"):
+    pytest.skip(f"tokamax's ragged_dot kernels run on TPU or GPU only, not {platform}")
+  del tokamax
+  E, D, F, A = 8, 128, 128, 256
+  rng = np.random.default_rng(13)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  ids_A = rng.integers(0, E, A).astype(np.int32)
+  weights = _random_expert_weights(rng, E, D, F)
+  kernel = experts.tokamax_ragged_dot(platform)
+  y = jax.jit(lambda *a: experts.experts_ragged(*a, "float32", 1, kernel))(x_AD, ids_A, *weights)
+  np.testing.assert_allclose(y, np_expert_rows(x_AD, ids_A, *weights), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("block", [5, 64])
@@ -420,6 +458,20 @@ def test_all_to_all_dispatch_matches_local_path(meshes):
   np.testing.assert_allclose(y_AD, local_AD, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(y_AD, np_expert_rows(x_AD, ids_A, *weights), rtol=1e-5, atol=1e-5)
   assert int(dropped) == int(local_dropped) == 0
+
+
+def test_dropless_all_to_all_dispatch_matches_local_path_under_skew(meshes):
+  """capacity_factor 0: buffers sized for the worst case, so even every token of every device choosing
+  the same two destination devices drops nothing (a balanced-share buffer of any factor < 4 would)."""
+  cfg = _cfg(n_experts=8, top_k=2, capacity_factor=0.0)
+  x_TD, _, weights = _ep_inputs(cfg, 64, seed=11)
+  ids_TK = np.tile(np.array([[3, 5]], np.int32), (64, 1))  # experts 3 and 5 take all 128 assignments
+  y_TKD, dropped = _dispatch_fn(cfg, meshes)(x_TD, ids_TK, *weights)
+  x_AD, ids_A = np.repeat(x_TD, 2, 0), ids_TK.reshape(-1)
+  np.testing.assert_allclose(
+    np.asarray(y_TKD).reshape(-1, cfg.d_model), np_expert_rows(x_AD, ids_A, *weights), rtol=1e-5, atol=1e-5
+  )
+  assert int(dropped) == 0
 
 
 def test_all_to_all_dispatch_counts_overflow(meshes):

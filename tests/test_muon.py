@@ -266,3 +266,33 @@ def test_build_optimizer_step_on_model_params(meshes):
       b.sharding,
     )
     assert np.isfinite(np.asarray(b)).all(), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("clip_muon", [False, True])
+def test_clip_scales_adam_and_muon_only_with_clip_muon(clip_muon):
+  """grad_clip uses the norm of all gradients. AdamW's leaves get optax.clip_by_global_norm's factor;
+  Muon's gradients are left alone unless clip_muon, so a huge gradient elsewhere (norm 1e4, clip 1)
+  changes the Muon momentum (hence step 2's update) only with clip_muon."""
+  params = model.init(TINY, jax.random.key(0))
+  cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=5, min_lr_ratio=1.0)
+  cfg = dataclasses.replace(cfg, grad_clip=1.0, clip_muon=clip_muon, weight_decay=0.0)
+  tx = optim.build_optimizer(TINY, cfg, None)
+  small = jax.tree.map(lambda x: 1e-3 * jnp.cos(x), params)
+  other = jax.tree.map(lambda x: 1e-3 * jnp.sin(3 * x), params)  # step 2: another direction
+  huge = {**small, "embed": small["embed"] + 1e4 / np.sqrt(small["embed"].size)}
+  step = jax.jit(tx.update)
+  runs = {}
+  for name, first in (("small", small), ("huge", huge)):
+    u1, state = step(first, tx.init(params), params)
+    u2, _ = step(other, state, params)
+    runs[name] = (u1, u2)
+  q_b = lambda u: np.asarray(u["dense_layers"]["attn"]["q_b_proj"])  # noqa: E731  (a Muon leaf)
+  moved = np.abs(q_b(runs["huge"][1]) - q_b(runs["small"][1])).max()
+  assert (moved > 1e-4) if clip_muon else (moved == 0.0), moved
+  # AdamW's embedding update on the huge step: Adam of the clipped gradient, as optax computes it.
+  adam = optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0)
+  )
+  g = {"all": huge}
+  ref, _ = adam.update(g, adam.init({"all": params}), {"all": params})
+  np.testing.assert_allclose(runs["huge"][0]["final_norm"], ref["all"]["final_norm"], rtol=1e-5, atol=1e-9)

@@ -94,16 +94,26 @@ def test_collectives_small_case_by_hand():
   stack = 2 * 4 * 16 * 4
   assert m["largest_group_stack_bytes"] == stack
   assert m["all_to_all_bytes"] == 2 * stack // 2
-  assert m["all_gather_bytes"] == 0
+  assert m["all_gather_bytes"] == m["all_reduce_bytes"] == 0
   assert m["ns_flops_per_device"] == m["ns_flops_total"] == newton_schulz.flops(8, 16, 5)
-  # 4 matrices: one whole matrix per copy per device ⇒ the replicas split them (padded to 2·2 = 4),
-  # and an all-gather over the 2 copies of each device's [1, 8, 16] result.
-  w4 = _leaf((4, 8, 16), (None, "embed", "mlp"), layout)
-  w4 = dataclasses.replace(w4, dn=MuonDimensionNumbers(1, 2))
+  # 4 matrices: the 2 replicas split them. Each keeps its slice of 2, makes them whole by all-to-all
+  # (1 of its 2 shards leaves, and comes back), orthogonalises 1 and all-gathers the other replica's
+  # results: splitting costs no more bytes than recomputing (which would all-to-all all 4).
+  w4 = dataclasses.replace(_leaf((4, 8, 16), (None, "embed", "mlp"), layout), dn=MuonDimensionNumbers(1, 2))
   m4 = plan.muon_work([w4], ns_steps=5)
-  assert m4["largest_group_stack_bytes"] == 4 * 4 * 16 * 4
-  assert m4["all_gather_bytes"] == (4 // 2 * 8 * 16 * 4) // 2
-  assert m4["ns_flops_per_device"] == newton_schulz.flops(8, 16, 5)  # 4 matrices over 4 devices
+  shard = 4 * 16 * 4
+  assert m4["ns_flops_per_device"] == newton_schulz.flops(8, 16, 5)
+  assert m4["all_to_all_bytes"] == 2 * (2 * shard) // 2
+  assert m4["all_gather_bytes"] == 4 * shard // 2  # the other replica's half of the 4 results
+  assert plan.muon_work([w4], ns_steps=5, ns_dtype="bfloat16")["all_gather_bytes"] == shard  # bf16: half
+  # 8 per-head matrices, whole on their device (heads over fsdp): splitting them between the replicas
+  # would save 4 NS of 25,600 FLOPs but send 1 KB (at 4,096 FLOPs per byte on an accelerator, 41× the
+  # saving): both replicas orthogonalise their 4 heads, nothing is sent.
+  heads = _leaf((16, 8, 8), ("q_lora", "heads", "head_dim"), layout)
+  heads = dataclasses.replace(heads, dn=MuonDimensionNumbers(0, 2))
+  mh = plan.muon_work([heads], ns_steps=5)
+  assert mh["collective_bytes"] == 0
+  assert mh["ns_flops_per_device"] == 4 * newton_schulz.flops(16, 8, 5)
 
 
 def test_expert_all_to_all_of_the_tiny_variant_by_hand():

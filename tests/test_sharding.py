@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from tiny import TINY
 
 from composer_jax import model, sharding
@@ -143,6 +144,21 @@ def test_sharded_forward_matches_single_device(sharded_params, meshes):
   np.testing.assert_array_equal(sharded_aux["expert_load"], single_aux["expert_load"])
   assert float(sharded_aux["overflow"]) == float(single_aux["overflow"]) == 0
   np.testing.assert_allclose(float(sharded_aux["balance_loss"]), float(single_aux["balance_loss"]), rtol=1e-5)
+
+
+def test_heads_take_the_fsdp_axis_before_embed():
+  """Per-head weights are split by whole heads (Muon then orthogonalises each head where it lives); a
+  mesh axis shards one dim only, and embed takes fsdp when the heads don't divide it."""
+  meshes = sharding.abstract_meshes((2, 4, 1), (8, 1))
+  o_HVD, q_DHK, q_b_QHK = (
+    ("heads", "head_dim", "embed"),
+    ("embed", "heads", "head_dim"),
+    ("q_lora", "heads", "head_dim"),
+  )
+  assert sharding.param_sharding(o_HVD, meshes, (8, 16, 64)).spec == P("fsdp", None, None)
+  assert sharding.param_sharding(q_DHK, meshes, (64, 8, 24)).spec == P(None, "fsdp", None)
+  assert sharding.param_sharding(q_b_QHK, meshes, (32, 8, 24)).spec == P(None, "fsdp", None)
+  assert sharding.param_sharding(o_HVD, meshes, (6, 16, 64)).spec == P(None, None, "fsdp")  # 6 % 4 ≠ 0
 
 
 def test_device_major_token_order_matches_the_dense_layout(meshes):

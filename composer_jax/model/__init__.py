@@ -18,6 +18,7 @@ from composer_jax.model.transformer import (
   logical_axes,
   stacks,
   trainable_mask,
+  unstack_layers,
 )
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
   "logical_axes",
   "stacks",
   "trainable_mask",
+  "unstack_layers",
   "update_router_bias",
   "load_hf_checkpoint",
   "save_hf_checkpoint",

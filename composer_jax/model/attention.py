@@ -4,9 +4,15 @@ Shape suffixes: B batch, T query time, S key time, D d_model, H heads, C kv_lora
 Q q_lora_rank, K qk head dim (nope + rope), N qk_nope dims, R qk_rope dims, V v head dim.
 
 Keys and values are compressed into a C-dim latent plus one shared R-dim rotary key; the cache
-stores exactly those (C + R numbers per token instead of H·(K+V)). Attention always runs in the
-absorbed form (the key/value up-projections folded into the query and the output), for training
-and decoding alike: no per-head K/V is materialised, and the matmuls fold heads into rows.
+stores exactly those (C + R numbers per token instead of H·(K+V)). Two forms of the same function:
+- **expanded** (training, no cache): per-head keys [N + R] and values [V] from the latent, then a
+  fused attention kernel (`attention_kernels`, per backend). Scores cost T·S·H·(N+R) multiply-adds,
+  (N+R)/(C+R) = 192/576 of the absorbed form's at Kimi's shapes. Under context parallelism the latent
+  (C + R per token, not H·(N+R+V)) is what gets gathered along the sequence; each shard expands it.
+- **absorbed** (a cache: prefill and decode): the key/value up-projections folded into the query and
+  the output (DeepSeek-V2 §2.1.2), attention over the latent cache shared by all heads, so the cache
+  is never expanded; heads fold into the matmul rows. `attention_impl="absorbed"` uses it for
+  training too.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from composer_jax import sharding
+from composer_jax import backend, sharding
+from composer_jax.model import attention_kernels
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import ones, param, project, rms_norm
 from composer_jax.model.rope import apply_rope
@@ -29,17 +36,20 @@ LATENT_NORM_EPS = 1e-6
 
 
 def attend(
-  q_BTHK: jax.Array,
-  keys_BSK: jax.Array,
-  values_BSC: jax.Array,
+  q_latent_BTHC: jax.Array,
+  q_rope_BTHR: jax.Array,
+  latent_BSC: jax.Array,
+  k_rope_BSR: jax.Array,
   scale: float,
   q_pos_BT: jax.Array,
   k_pos_BS: jax.Array,
   q_seg_BT: jax.Array,
   k_seg_BS: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-  """Softmax attention of per-head queries over keys/values shared by all heads (MLA's latent).
+  """Softmax attention of per-head queries over MLA's latent keys/values, shared by all heads.
 
+  Scores are q_latent·latent + q_rope·k_rope (two matmuls: the [C + R] keys are never concatenated,
+  which in a decode step would copy the whole cache slice per layer); values are the latent itself.
   Returns the output [B, T, H, C] and each head's largest visible logit [H] (scale included, no
   gradient): the quantity QK-clip caps (Kimi K2 MuonClip).
 
@@ -48,15 +58,18 @@ def attend(
   The mask is an additive bias broadcast over heads; softmax in float32. Because keys are shared,
   (t, h) fold into one matmul dimension: [T·H, K] × [K, S] per batch row, no transposes.
   """
-  visible_BTS = (k_pos_BS[:, None, :] <= q_pos_BT[:, :, None]) & (
-    k_seg_BS[:, None, :] == q_seg_BT[:, :, None]
-  )
+  visible_BTS = attention_kernels.visible(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
   bias_BT1S = jnp.where(visible_BTS, 0.0, _MASKED)[:, :, None, :]
-  scores_BTHS = jnp.einsum("bthk,bsk->bths", q_BTHK, keys_BSK, preferred_element_type=jnp.float32) * scale
-  probs_BTHS = jax.nn.softmax(scores_BTHS + bias_BT1S, axis=-1).astype(values_BSC.dtype)
-  out_BTHC = jnp.einsum("bths,bsc->bthc", probs_BTHS, values_BSC, preferred_element_type=jnp.float32)
+  f32 = jnp.float32
+  scores_BTHS = jnp.einsum("bthc,bsc->bths", q_latent_BTHC, latent_BSC, preferred_element_type=f32)
+  scores_BTHS = scores_BTHS + jnp.einsum(
+    "bthr,bsr->bths", q_rope_BTHR, k_rope_BSR.astype(q_rope_BTHR.dtype), preferred_element_type=f32
+  )
+  scores_BTHS = scores_BTHS * scale
+  probs_BTHS = jax.nn.softmax(scores_BTHS + bias_BT1S, axis=-1).astype(latent_BSC.dtype)
+  out_BTHC = jnp.einsum("bths,bsc->bthc", probs_BTHS, latent_BSC, preferred_element_type=jnp.float32)
   max_logit_H = jnp.max(jax.lax.stop_gradient(scores_BTHS) + bias_BT1S, axis=(0, 1, 3))
-  return out_BTHC.astype(values_BSC.dtype), max_logit_H
+  return out_BTHC.astype(latent_BSC.dtype), max_logit_H
 
 
 class MLA(nnx.Module):
@@ -100,11 +113,11 @@ class MLA(nnx.Module):
     return jnp.concatenate([q_BTHK[..., : cfg.qk_nope_head_dim], q_rope], axis=-1)
 
   def __call__(self, x_BTD, cos_BTR, sin_BTR, q_pos_BT, q_seg_BT, *, cache=None, meshes=None):
-    """Attention output [B, T, D], the updated cache entry and the per-head max logit [H].
+    """Attention output [B, T, D], the updated cache and the per-head max logit [H].
 
-    `cache` = (latent_BSC, k_rope_BSR, index, k_pos_BS, k_seg_BS): this layer's latent cache, the
-    slot where x's tokens go, and the positions/segments of all slots (already including x's).
-    Without a cache, x attends within itself.
+    `cache` = (latent_LBSC, k_rope_LBSR, layer, index, k_pos_BS, k_seg_BS): the latent cache of all
+    layers, this layer's index in it, the slot where x's tokens go, and the positions/segments of all
+    slots (already including x's); returned updated in place. Without a cache, x attends within itself.
     """
     cfg = self.cfg
     # Per-head activations keep the token layout (batch over replica·fsdp, seq over context).
@@ -112,28 +125,65 @@ class MLA(nnx.Module):
       self.query(x_BTD, cos_BTR, sin_BTR), ("batch", "seq", "act_heads", None), meshes
     )
     latent_BTC, k_rope_BTR = self.latent(x_BTD, cos_BTR, sin_BTR)
+    impl = backend.attention_impl(cfg.attention_impl, meshes)
+    if cache is None and impl != "absorbed":
+      out_BTHV, max_logit_H = self._expanded(q_BTHK, latent_BTC, k_rope_BTR, q_pos_BT, q_seg_BT, impl, meshes)
+      new_cache = None
+    else:
+      out_BTHV, max_logit_H, new_cache = self._absorbed(
+        q_BTHK, latent_BTC, k_rope_BTR, q_pos_BT, q_seg_BT, cache
+      )
+    return project("bthv,hvd->btd", out_BTHV, self.o_proj[...], cfg.dtype), new_cache, max_logit_H
+
+  def _kv_weights(self) -> tuple[jax.Array, jax.Array]:
+    n = self.cfg.qk_nope_head_dim
+    return self.kv_b_proj[...][..., :n], self.kv_b_proj[...][..., n:]
+
+  def _expanded(self, q_BTHK, latent_BSC, k_rope_BSR, pos_BT, seg_BT, impl, meshes):
+    """Per-head K [N + R] and V from the latent (gathered whole along the sequence first), then `impl`."""
+    cfg = self.cfg
+    latent_BSC = sharding.constrain(latent_BSC, ("batch", None, None), meshes)
+    k_rope_BSR = sharding.constrain(k_rope_BSR, ("batch", None, None), meshes)
+    w_k_CHN, w_v_CHV = self._kv_weights()
+    k_nope_BSHN = project("bsc,chn->bshn", latent_BSC, w_k_CHN, cfg.dtype)
+    v_BSHV = project("bsc,chv->bshv", latent_BSC, w_v_CHV, cfg.dtype)
+    B, S, H, _ = k_nope_BSHN.shape
+    k_rope_BSHR = jnp.broadcast_to(
+      k_rope_BSR.astype(k_nope_BSHN.dtype)[:, :, None, :], (B, S, H, k_rope_BSR.shape[-1])
+    )
+    k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
+    k_pos_BS = sharding.constrain(pos_BT, ("batch", None), meshes)
+    k_seg_BS = sharding.constrain(seg_BT, ("batch", None), meshes)
+    kw = {"layout": sharding.attention_layout(meshes)} if impl == "splash" and meshes is not None else {}
+    args = (q_BTHK.astype(cfg.dtype), k_BSHK, v_BSHV, cfg.softmax_scale, pos_BT, k_pos_BS, seg_BT, k_seg_BS)
+    return attention_kernels.attention(impl, *args, **kw)
+
+  def _absorbed(self, q_BTHK, latent_BTC, k_rope_BTR, q_pos_BT, q_seg_BT, cache):
+    """Absorbed MLA (DeepSeek-V2 §2.1.2): q_nope·(W_k c) = (W_kᵀ q_nope)·c and Σ p·(W_v c) = W_v (Σ p·c),
+    so attention runs on the C+R-dim latent keys shared by all heads and K/V are never expanded."""
+    cfg = self.cfg
     if cache is None:
       latent_BSC, k_rope_BSR, k_pos_BS, k_seg_BS, new_cache = latent_BTC, k_rope_BTR, q_pos_BT, q_seg_BT, None
     else:
-      old_latent, old_k_rope, index, k_pos_BS, k_seg_BS = cache
-      latent_BSC = jax.lax.dynamic_update_slice_in_dim(
-        old_latent, latent_BTC.astype(old_latent.dtype), index, 1
-      )
-      k_rope_BSR = jax.lax.dynamic_update_slice_in_dim(
-        old_k_rope, k_rope_BTR.astype(old_k_rope.dtype), index, 1
-      )
-      new_cache = (latent_BSC, k_rope_BSR)
-    # Absorbed MLA (DeepSeek-V2 §2.1.2): q_nope·(W_k c) = (W_kᵀ q_nope)·c and Σ p·(W_v c) = W_v (Σ p·c),
-    # so attention runs on the C+R-dim latent keys shared by all heads and K/V are never expanded.
-    w_k_CHN, w_v_CHV = (
-      self.kv_b_proj[...][..., : cfg.qk_nope_head_dim],
-      self.kv_b_proj[...][..., cfg.qk_nope_head_dim :],
-    )
+      latent_LBSC, k_rope_LBSR, layer, index, k_pos_BS, k_seg_BS = cache
+      at = (layer, 0, index, 0)
+      latent_LBSC = jax.lax.dynamic_update_slice(latent_LBSC, latent_BTC[None].astype(latent_LBSC.dtype), at)
+      k_rope_LBSR = jax.lax.dynamic_update_slice(k_rope_LBSR, k_rope_BTR[None].astype(k_rope_LBSR.dtype), at)
+      latent_BSC = jax.lax.dynamic_index_in_dim(latent_LBSC, layer, 0, keepdims=False)
+      k_rope_BSR = jax.lax.dynamic_index_in_dim(k_rope_LBSR, layer, 0, keepdims=False)
+      new_cache = (latent_LBSC, k_rope_LBSR)
+    w_k_CHN, w_v_CHV = self._kv_weights()
     q_latent_BTHC = project("bthn,chn->bthc", q_BTHK[..., : cfg.qk_nope_head_dim], w_k_CHN, cfg.dtype)
-    q_BTHk = jnp.concatenate([q_latent_BTHC, q_BTHK[..., cfg.qk_nope_head_dim :]], axis=-1)
-    keys_BSk = jnp.concatenate([latent_BSC, k_rope_BSR.astype(latent_BSC.dtype)], axis=-1)
+    q_rope_BTHR = q_BTHK[..., cfg.qk_nope_head_dim :]
     out_BTHC, max_logit_H = attend(
-      q_BTHk, keys_BSk, latent_BSC, cfg.softmax_scale, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS
+      q_latent_BTHC,
+      q_rope_BTHR,
+      latent_BSC,
+      k_rope_BSR,
+      cfg.softmax_scale,
+      q_pos_BT,
+      k_pos_BS,
+      q_seg_BT,
+      k_seg_BS,
     )
-    out_BTHV = project("bthc,chv->bthv", out_BTHC, w_v_CHV, cfg.dtype)
-    return project("bthv,hvd->btd", out_BTHV, self.o_proj[...], cfg.dtype), new_cache, max_logit_H
+    return project("bthc,chv->bthv", out_BTHC, w_v_CHV, cfg.dtype), max_logit_H, new_cache

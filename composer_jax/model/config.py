@@ -107,11 +107,17 @@ class ModelConfig:
   # --- how to compute (not part of the checkpoint) ---
   dtype: str = "float32"  # activations / matmul inputs; matmuls accumulate in fp32.
   param_dtype: str = "float32"
-  # Expert compute: "blocked" (dropless, CPU default), "ragged" (dropless ragged_dot, GPU/TPU),
-  # "capacity" (fixed slots per expert; overflow dropped and counted).
-  expert_impl: Literal["blocked", "ragged", "capacity"] = "blocked"
+  # Expert compute: "blocked" (dropless, CPU default), "ragged" (dropless `jax.lax.ragged_dot`),
+  # "tokamax" (dropless, tokamax's grouped matmul kernels: GPU/TPU), "dense" (every expert on every
+  # token, exact; for a handful of tokens, e.g. decoding), "capacity" (fixed slots per expert; overflow
+  # dropped and counted), "auto" (per platform: `backend.expert_impl`).
+  expert_impl: Literal["auto", "blocked", "ragged", "tokamax", "dense", "capacity"] = "blocked"
+  # Training attention: "auto" (per platform: `backend.attention_impl`), "xla", "cudnn", "splash"
+  # (expanded K/V, attention_kernels.py), or "absorbed" (the latent form decoding always uses).
+  attention_impl: Literal["auto", "absorbed", "xla", "cudnn", "splash"] = "auto"
   expert_block: int = 128  # blocked path: rows per block (padding < n_experts·expert_block rows).
-  capacity_factor: float = 2.0  # slots per expert (capacity path) / per EP destination buffer.
+  # Slots per expert (capacity path) / per EP buffer, × a balanced share; 0: dropless (worst-case buffers).
+  capacity_factor: float = 2.0
   dispatch: Literal["all_to_all", "ragged_all_to_all"] = "all_to_all"  # expert parallelism.
   router_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss weight (α).
   # Activation rematerialisation per block in training: "none", "full" (keep block inputs only),
@@ -261,16 +267,21 @@ def _check(c: ModelConfig) -> None:
     problems.append(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even")
   if not 0 <= c.first_k_dense <= c.n_layers:
     problems.append(f"first_k_dense={c.first_k_dense} must be in [0, n_layers={c.n_layers}]")
-  if c.expert_impl not in ("blocked", "ragged", "capacity"):
-    problems.append(f"expert_impl={c.expert_impl!r} must be 'blocked', 'ragged' or 'capacity'")
+  impls = ("auto", "blocked", "ragged", "tokamax", "dense", "capacity")
+  if c.expert_impl not in impls:
+    problems.append(f"expert_impl={c.expert_impl!r} must be one of {impls}")
+  if c.attention_impl not in ("auto", "absorbed", "xla", "cudnn", "splash"):
+    problems.append(
+      f"attention_impl={c.attention_impl!r} must be 'auto', 'absorbed', 'xla', 'cudnn' or 'splash'"
+    )
   if c.expert_block < 1:
     problems.append(f"expert_block={c.expert_block} must be >= 1")
   if c.dispatch not in ("all_to_all", "ragged_all_to_all"):
     problems.append(f"dispatch={c.dispatch!r} must be 'all_to_all' or 'ragged_all_to_all'")
   if c.remat not in ("none", "full", "dots", "dots_with_batch"):
     problems.append(f"remat={c.remat!r} must be 'none', 'full', 'dots' or 'dots_with_batch'")
-  if c.capacity_factor <= 0:
-    problems.append(f"capacity_factor={c.capacity_factor} must be > 0")
+  if c.capacity_factor < 0:
+    problems.append(f"capacity_factor={c.capacity_factor} must be >= 0 (0: dropless)")
   if c.dtype not in ("float32", "bfloat16") or c.param_dtype not in ("float32", "bfloat16"):
     problems.append(f"dtype={c.dtype!r}, param_dtype={c.param_dtype!r}: use 'float32' or 'bfloat16'")
   if problems:

@@ -10,7 +10,13 @@ back. Two transports behind `cfg.dispatch`:
   backend (XLA:CPU included). Assignments past C are dropped and counted.
 - "ragged_all_to_all": exact-size chunks with `jax.lax.ragged_all_to_all` into a receive buffer of
   `capacity_factor`·A rows (GPU/TPU; XLA:CPU has no lowering). Rows past the buffer are counted.
-When the expert weights' d_model is sharded too (FSDP within experts), they are gathered first.
+Buffer sizes are the bound on drops: `capacity_factor` > 0 sizes them to that multiple of a balanced
+share (drops possible, counted in the `overflow` metric); `capacity_factor` = 0 makes them dropless,
+sized for the worst case (`worst_case_rows`: every token of every device sending min(K, E/P) of its
+assignments to one device; P/K·min(K, E/P) times a balanced share, e.g. 4× on the tiny meshes).
+Tokens are not copied K times: each send slot gathers its row from the token it belongs to.
+When the expert weights' d_model is sharded too (FSDP within experts), they are gathered first, in the
+compute dtype (half the bytes of fp32 parameters).
 Every mesh axis and spec comes from `sharding.expert_layout` (the rules of `sharding.py`) and the
 weights' logical axes (`experts.W_*_AXES`); nothing here names a mesh axis.
 """
@@ -51,7 +57,7 @@ def dispatch(x_TD, expert_ids_TK, weights, cfg: ModelConfig, meshes):
   body = _all_to_all_body if cfg.dispatch == "all_to_all" else _ragged_body
   tokens = ep.token_spec()
   fn = jax.shard_map(
-    lambda x, ids, *ws: body(x, ids, _gather_fsdp(ws, ep), cfg, ep),
+    lambda x, ids, *ws: body(x, ids, _gather_fsdp(ws, ep, cfg.dtype), cfg, ep),
     mesh=ep.mesh,
     in_specs=(tokens, tokens, *(ep.param_spec(axes) for axes in _WEIGHT_AXES)),
     out_specs=(tokens, jax.sharding.PartitionSpec()),
@@ -86,13 +92,26 @@ def from_device_major(x_T, batch: int, meshes):
   return x_T.reshape(r, c, batch // r, T // c, *rest).swapaxes(1, 2).reshape(batch, T, *rest)
 
 
-def _gather_fsdp(weights, ep: sharding.ExpertLayout):
-  """Each expert weight whole along d_model (its `embed` axis), gathered over the expert-FSDP axes."""
+def _gather_fsdp(weights, ep: sharding.ExpertLayout, dtype):
+  """Each expert weight whole along d_model (its `embed` axis), gathered over the expert-FSDP axes in the
+  compute dtype (the expert matmuls cast to it anyway)."""
   if ep.size(ep.fsdp) == 1:
     return weights
   return tuple(
-    jax.lax.all_gather(w, ep.fsdp, axis=axes.index("embed"), tiled=True)
+    jax.lax.all_gather(w.astype(dtype), ep.fsdp, axis=axes.index("embed"), tiled=True)
     for w, axes in zip(weights, _WEIGHT_AXES, strict=True)
+  )
+
+
+def worst_case_rows(tokens: int, cfg: ModelConfig, n_ep: int) -> int:
+  """The most assignment rows one device can send to one device: each of its tokens, min(K, E/P) of
+  its K experts living there."""
+  return tokens * min(cfg.top_k, cfg.n_experts // n_ep)
+
+
+def _platform(ep: sharding.ExpertLayout) -> str:
+  return (
+    "gpu" if ep.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm") else ep.mesh.devices.flat[0].platform
   )
 
 
@@ -100,8 +119,9 @@ def _all_to_all_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.Exper
   n_ep = ep.size(ep.experts)
   T, K = ids_TK.shape
   A, local_experts = T * K, cfg.n_experts // n_ep
-  x_AD, ids_A = jnp.repeat(x_TD, K, axis=0), ids_TK.reshape(A)
-  send_slots = capacity(A, n_ep, cfg.capacity_factor)
+  ids_A = ids_TK.reshape(A)
+  dropless = cfg.capacity_factor <= 0
+  send_slots = worst_case_rows(T, cfg, n_ep) if dropless else capacity(A, n_ep, cfg.capacity_factor)
 
   # Pack: slot (p, c) of the send buffer holds the c-th assignment bound for device p.
   dest_A = ids_A // local_experts
@@ -109,14 +129,18 @@ def _all_to_all_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.Exper
   slot_PC = starts_P[:, None] + jnp.arange(send_slots)[None, :]
   filled_PC = jnp.arange(send_slots)[None, :] < sizes_P[:, None]
   source_PC = order_A[jnp.clip(slot_PC, 0, A - 1)]
-  send_x = jnp.where(filled_PC[..., None], x_AD[source_PC], 0).reshape(n_ep * send_slots, -1)
+  send_x = jnp.where(filled_PC[..., None], x_TD[source_PC // K], 0).reshape(n_ep * send_slots, -1)
   # Empty slots carry expert id `local_experts` (out of range): the expert paths give them zeros.
   send_ids = jnp.where(filled_PC, ids_A[source_PC] % local_experts, local_experts).reshape(-1)
 
   recv_x = jax.lax.all_to_all(send_x, ep.experts, 0, 0, tiled=True)
   recv_ids = jax.lax.all_to_all(send_ids, ep.experts, 0, 0, tiled=True)
-  local_slots = min(n_ep * send_slots, math.ceil(A / local_experts * cfg.capacity_factor))
-  y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, max(local_slots, 1))
+  local_slots = n_ep * send_slots
+  if not dropless:
+    local_slots = min(local_slots, math.ceil(A / local_experts * cfg.capacity_factor))
+  y_recv, dropped_local = experts_local(
+    recv_x, recv_ids, *weights, cfg, max(local_slots, 1), 1, _platform(ep)
+  )
   y_send = jax.lax.all_to_all(y_recv, ep.experts, 0, 0, tiled=True)
 
   # Unpack: assignment a comes back in slot (dest_a, rank_a) unless it was past the capacity.
@@ -141,8 +165,11 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
   n_ep = ep.size(ep.experts)
   T, K = ids_TK.shape
   A, local_experts = T * K, cfg.n_experts // n_ep
-  rows = max(1, min(n_ep * A, math.ceil(A * cfg.capacity_factor)))
-  x_AD, ids_A = jnp.repeat(x_TD, K, axis=0), ids_TK.reshape(A)
+  if cfg.capacity_factor <= 0:  # dropless: every device may send its worst case here
+    rows = n_ep * worst_case_rows(T, cfg, n_ep)
+  else:
+    rows = max(1, min(n_ep * A, math.ceil(A * cfg.capacity_factor)))
+  ids_A = ids_TK.reshape(A)
   dest_A = ids_A // local_experts
   order_A, sizes_P, starts_P, _ = sort_by_expert(dest_A, n_ep)
   me = jax.lax.axis_index(ep.experts)
@@ -154,7 +181,7 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
       operand, output, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=ep.experts
     )
 
-  x_sorted = x_AD[order_A]
+  x_sorted = x_TD[order_A // K]
   ids_sorted = (ids_A % local_experts)[order_A]
   recv_x = exchange(
     x_sorted,
@@ -172,7 +199,7 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
     out_offsets_SP[me],
     sent_SP[:, me],
   )
-  y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, rows)
+  y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, rows, 1, _platform(ep))
   # Back: my received chunk from s sits at out_offsets[s, me]; it returns to s's sorted rows.
   starts_SP = jax.lax.all_gather(starts_P, ep.experts)
   y_sorted = exchange(

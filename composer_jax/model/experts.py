@@ -4,15 +4,25 @@ Shape suffixes: A assignments (token copies, one per chosen expert), D d_model, 
 hidden, C capacity slots per expert, N row blocks, b rows per block, I/O a matmul's in/out width,
 R rows of the padded block layout.
 
-`experts_local` picks the path of `cfg.expert_impl`:
+`experts_local` picks the path of `cfg.expert_impl` (already resolved from "auto" by the MoE layer,
+`backend.expert_impl`):
 - "ragged": sort assignments by expert → `jax.lax.ragged_dot` grouped matmuls → unsort. Dropless.
-  XLA:CPU lowers ragged_dot as a masked dense matmul over all E groups (E× the work); XLA:TPU has a
-  native grouped matmul (notes/accelerators.md).
+  XLA:CPU lowers ragged_dot as a masked dense matmul over all E groups (E× the work), and so does
+  XLA:GPU (a zero-padded dense expansion: E_local× the FLOPs, out of memory at 48 local experts);
+  XLA:TPU has a native grouped matmul (notes/accelerators.md).
+- "tokamax": the same sort, with tokamax's grouped-matmul kernels (`tokamax.ragged_dot`: Pallas Mosaic
+  on TPU, Triton on GPU; megablocks-style tiles over the sorted rows, with their own backward).
+  Needs `pip install tokamax` (extra `kernels`) and `shard_map` around it (Mosaic kernels are not
+  auto-partitioned): the expert-parallel dispatch provides it.
+- "dense": every expert on every row, each row keeping its own expert's output. Exact and dropless,
+  E× the routed FLOPs: for a handful of tokens (decoding), where one batched matmul beats sorting.
 - "blocked": rows sorted by expert, each expert padded to a multiple of `expert_block`, one matmul per
   block (`blocked_matmul`). Dropless; the CPU default.
 - "capacity": gather assignments into [E, C, D] buckets → batched einsum → gather back. Assignments
   past C slots are dropped *and counted*. Equal to the others whenever nothing overflows.
-Ids outside [0, E) (padding of the expert-parallel buffers) give zero rows on every path.
+Ids outside [0, E) (padding of the expert-parallel buffers) give zero rows on every path. Assignment a
+reads its input row from x[a // per_token]: the layer passes tokens with per_token = top_k (no
+`jnp.repeat(x, K)` copy), the expert-parallel dispatch its received rows with per_token = 1.
 
 The weights' logical axes live here too (`W_GATE_AXES`, ...): the MoE layer creates its parameters
 with them and the expert-parallel dispatch derives its `shard_map` specs from them.
@@ -20,6 +30,8 @@ with them and the expert-parallel dispatch derives its `shard_map` specs from th
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 
 import jax
@@ -35,7 +47,10 @@ W_DOWN_AXES = ("expert", "expert_mlp", "embed")
 
 
 def capacity(n_assignments: int, n_experts: int, factor: float) -> int:
-  """Slots per expert: ceil(assignments/E · factor), never more than all assignments."""
+  """Slots per expert: ceil(assignments/E · factor), never more than all assignments; factor ≤ 0:
+  all of them (dropless)."""
+  if factor <= 0:
+    return max(1, n_assignments)
   return max(1, min(n_assignments, math.ceil(n_assignments / n_experts * factor)))
 
 
@@ -51,29 +66,66 @@ def sort_by_expert(expert_ids_A: jax.Array, n_experts: int):
   return order_A, sizes_E, starts_E, rank_A
 
 
-def experts_ragged(x_AD, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype) -> jax.Array:
-  """Dropless grouped SwiGLU: one row per assignment in, one out. Ids outside [0, E) give zeros."""
+def experts_ragged(
+  x_ND, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, per_token=1, ragged_dot=jax.lax.ragged_dot
+) -> jax.Array:
+  """Dropless grouped SwiGLU: one row per assignment out. Ids outside [0, E) give zeros.
+
+  `ragged_dot`: `jax.lax.ragged_dot` or a kernel with its signature (`tokamax_ragged_dot`)."""
   E, F = w_gate_EDF.shape[0], w_gate_EDF.shape[2]
   order_A, sizes_E, _, _ = sort_by_expert(expert_ids_A, E)
-  x_sorted = x_AD[order_A].astype(dtype)
+  x_sorted = jnp.asarray(x_ND)[order_A // per_token].astype(dtype)
 
   def grouped(x, w):
-    return jax.lax.ragged_dot(x, w.astype(dtype), sizes_E, preferred_element_type=jnp.float32).astype(dtype)
+    return ragged_dot(x, w.astype(dtype), sizes_E, preferred_element_type=jnp.float32).astype(dtype)
 
   gate_up = grouped(x_sorted, jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1))  # one matmul, not two
   y_sorted = grouped(jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:], w_down_EFD)
+  # Rows past Σ sizes (ids outside [0, E)) are zero for jax.lax.ragged_dot; a kernel may leave them as is.
+  valid_sorted = jnp.arange(y_sorted.shape[0]) < jnp.sum(sizes_E)
+  y_sorted = jnp.where(valid_sorted[:, None], y_sorted, 0)
   return jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
 
 
-def experts_capacity(x_AD, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, slots: int):
+def tokamax_ragged_dot(platform: str):
+  """`tokamax.ragged_dot` with the implementation of `platform` ("tpu": Pallas Mosaic, "gpu": Triton),
+  in `jax.lax.ragged_dot`'s signature."""
+  try:
+    tokamax = importlib.import_module("tokamax")
+  except ImportError as e:
+    raise ImportError(
+      "expert_impl='tokamax' needs tokamax (`pip install -e '.[kernels]'`); 'ragged' runs without it"
+    ) from e
+  implementation = {"tpu": "mosaic", "gpu": "triton"}.get(platform)
+  if implementation is None:
+    raise ValueError(f"expert_impl='tokamax' runs on TPU or GPU, not {platform!r}; use 'blocked' on CPU")
+  return functools.partial(tokamax.ragged_dot, implementation=implementation)
+
+
+def experts_dense(x_ND, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, per_token=1) -> jax.Array:
+  """Every expert on every input row [N, E, ·], each assignment then keeping its expert's output."""
+  E = w_gate_EDF.shape[0]
+  # Batched matmuls with batch = experts (x broadcast, not a weight relayout); gate and up as two
+  # matmuls: concatenating their weights would copy every expert's weights on each call.
+  x_END = jnp.broadcast_to(jnp.asarray(x_ND)[None], (E, *x_ND.shape))
+  h_ENF = jax.nn.silu(project("end,edf->enf", x_END, w_gate_EDF, dtype)) * project(
+    "end,edf->enf", x_END, w_up_EDF, dtype
+  )
+  y_END = project("enf,efd->end", h_ENF, w_down_EFD, dtype)
+  rows_A = jnp.arange(expert_ids_A.shape[0]) // per_token
+  valid_A = (expert_ids_A >= 0) & (expert_ids_A < E)
+  return jnp.where(valid_A[:, None], y_END[jnp.clip(expert_ids_A, 0, E - 1), rows_A], 0)
+
+
+def experts_capacity(x_ND, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, slots: int, per_token=1):
   """Bucketed SwiGLU over [E, C, D]; returns (y_AD, dropped assignments). Ids outside [0, E) → 0."""
-  E, A = w_gate_EDF.shape[0], x_AD.shape[0]
+  E, A = w_gate_EDF.shape[0], expert_ids_A.shape[0]
   order_A, sizes_E, starts_E, rank_A = sort_by_expert(expert_ids_A, E)
   # Slot (e, c) holds the c-th assignment of expert e, if there is one.
   slot_EC = starts_E[:, None] + jnp.arange(slots)[None, :]
   filled_EC = jnp.arange(slots)[None, :] < sizes_E[:, None]
   source_EC = order_A[jnp.clip(slot_EC, 0, A - 1)]
-  x_ECD = jnp.where(filled_EC[..., None], x_AD[source_EC], 0).astype(dtype)
+  x_ECD = jnp.where(filled_EC[..., None], jnp.asarray(x_ND)[source_EC // per_token], 0).astype(dtype)
   F = w_gate_EDF.shape[2]
   gate_up_ECF = project("ecd,edf->ecf", x_ECD, jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1), dtype)
   y_ECD = project("ecf,efd->ecd", jax.nn.silu(gate_up_ECF[..., :F]) * gate_up_ECF[..., F:], w_down_EFD, dtype)
@@ -144,7 +196,9 @@ def _blocked_bwd(residuals, dy_NbO):
 blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
 
 
-def experts_blocked(x_AD, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, block: int) -> jax.Array:
+def experts_blocked(
+  x_ND, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, block: int, per_token=1
+) -> jax.Array:
   """Dropless SwiGLU over row blocks that each belong to one expert.
 
   Assignments are sorted by expert and each expert's rows padded to a multiple of `block`, so
@@ -153,7 +207,7 @@ def experts_blocked(x_AD, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
   default: XLA:CPU runs `ragged_dot` as a dense masked matmul over all E groups. Ids outside
   [0, E) give zeros.
   """
-  E, A, F = w_gate_EDF.shape[0], x_AD.shape[0], w_gate_EDF.shape[2]
+  E, A, F = w_gate_EDF.shape[0], expert_ids_A.shape[0], w_gate_EDF.shape[2]
   n_blocks = -(-A // block) + E  # Σ_e ceil(size_e/block) ≤ A/block + E
   order_A, sizes_E, starts_E, rank_A = sort_by_expert(expert_ids_A, E)
   padded_E = -(-sizes_E // block) * block
@@ -165,7 +219,11 @@ def experts_blocked(x_AD, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
   within_R = rows - padded_starts_E[expert_R]
   filled_R = (within_R < sizes_E[expert_R]) & (rows < padded_ends_E[-1])
   source_R = order_A[jnp.clip(starts_E[expert_R] + within_R, 0, A - 1)]
-  x_NbD = jnp.where(filled_R[:, None], x_AD[source_R], 0).astype(dtype).reshape(n_blocks, block, -1)
+  x_NbD = (
+    jnp.where(filled_R[:, None], jnp.asarray(x_ND)[source_R // per_token], 0)
+    .astype(dtype)
+    .reshape(n_blocks, block, -1)
+  )
   expert_N = expert_R[::block]
   w_gate_up_EDF = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1).astype(dtype)  # one matmul for both
   used_blocks = padded_ends_E[-1] // block
@@ -177,11 +235,20 @@ def experts_blocked(x_AD, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
   return jnp.where(valid_A[:, None], y_RD[jnp.clip(dest_A, 0, n_blocks * block - 1)], 0)
 
 
-def experts_local(x_AD, expert_ids_A, w_gate, w_up, w_down, cfg: ModelConfig, slots: int):
-  """The configured expert path on one device's assignments; returns (y_AD, dropped)."""
-  if cfg.expert_impl == "ragged":
-    return experts_ragged(x_AD, expert_ids_A, w_gate, w_up, w_down, cfg.dtype), jnp.zeros((), jnp.int32)
-  if cfg.expert_impl == "blocked":
-    y_AD = experts_blocked(x_AD, expert_ids_A, w_gate, w_up, w_down, cfg.dtype, cfg.expert_block)
-    return y_AD, jnp.zeros((), jnp.int32)
-  return experts_capacity(x_AD, expert_ids_A, w_gate, w_up, w_down, cfg.dtype, slots)
+def experts_local(
+  x_ND, expert_ids_A, w_gate, w_up, w_down, cfg: ModelConfig, slots: int, per_token=1, platform="cpu"
+):
+  """The configured expert path (`cfg.expert_impl`, resolved) on one device's assignments, reading
+  assignment a's input from x_ND[a // per_token]; returns (y_AD, dropped)."""
+  ws, none = (w_gate, w_up, w_down), jnp.zeros((), jnp.int32)
+  impl = cfg.expert_impl
+  if impl in ("ragged", "tokamax"):
+    kernel = tokamax_ragged_dot(platform) if impl == "tokamax" else jax.lax.ragged_dot
+    return experts_ragged(x_ND, expert_ids_A, *ws, cfg.dtype, per_token, kernel), none
+  if impl == "dense":
+    return experts_dense(x_ND, expert_ids_A, *ws, cfg.dtype, per_token), none
+  if impl == "blocked":
+    return experts_blocked(x_ND, expert_ids_A, *ws, cfg.dtype, cfg.expert_block, per_token), none
+  if impl == "capacity":
+    return experts_capacity(x_ND, expert_ids_A, *ws, cfg.dtype, slots, per_token)
+  raise ValueError(f"expert_impl={impl!r} is not resolved (backend.expert_impl resolves 'auto')")

@@ -17,6 +17,7 @@ In the stacked layout (transformer.py) the router bias of all MoE layers is one 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from composer_jax import backend
 from composer_jax.model import expert_parallel
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import W_DOWN_AXES, W_GATE_AXES, W_UP_AXES, capacity, experts_local
@@ -107,6 +109,15 @@ def _expert_parallel(meshes, n_tokens: int) -> bool:
   return meshes is not None and meshes.expert_parallelism > 1 and n_tokens % len(meshes.devices) == 0
 
 
+def resolve(cfg: ModelConfig, meshes, expert_parallel_path: bool) -> ModelConfig:
+  """`cfg` with `expert_impl` resolved for this call (`backend.expert_impl`). tokamax's Mosaic kernels
+  run only inside `shard_map` (the EP dispatch) or on one device; elsewhere they fall back to "ragged"."""
+  impl = backend.expert_impl(cfg.expert_impl, meshes)
+  if impl == "tokamax" and meshes is not None and not expert_parallel_path:
+    impl = "ragged"
+  return cfg if impl == cfg.expert_impl else dataclasses.replace(cfg, expert_impl=impl)
+
+
 class MoE(nnx.Module):
   """Shared experts (dense mesh) + routed experts (expert mesh) + router (dense mesh, fp32)."""
 
@@ -142,13 +153,14 @@ class MoE(nnx.Module):
     forced_TK = None if routed_experts_BTK is None else flatten(routed_experts_BTK)
     r = route(logits_TE, jax.lax.stop_gradient(self.router_bias[...]), cfg, forced_TK)
     weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    cfg = resolve(cfg, meshes, ep)
     if ep:
       y_TKD, dropped = expert_parallel.dispatch(x_TD, r.expert_ids_TK, weights, cfg, meshes)
     else:
       A = B * T * cfg.top_k
-      x_AD = jnp.repeat(x_TD, cfg.top_k, axis=0)
       slots = capacity(A, cfg.n_experts, cfg.capacity_factor)
-      y_AD, dropped = experts_local(x_AD, r.expert_ids_TK.reshape(-1), *weights, cfg, slots)
+      where = backend.platform(meshes)
+      y_AD, dropped = experts_local(x_TD, r.expert_ids_TK.reshape(-1), *weights, cfg, slots, cfg.top_k, where)
       y_TKD = y_AD.reshape(B * T, cfg.top_k, D)
     y_BTD = unflatten(combine(y_TKD, r.weights_TK)).astype(x_BTD.dtype)
     if cfg.n_shared_experts:

@@ -77,6 +77,16 @@ def stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
   return tuple((name, n) for name, n in ((DENSE, cfg.first_k_dense), (MOE, cfg.n_moe_layers)) if n)
 
 
+def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
+  """`params` with each layer stack [L, ...] split into a list of L per-layer trees, which `apply`
+  runs layer by layer. For a decode loop: split once before the loop, or every step slices (copies)
+  each layer's weights out of the stacks, all expert weights included (XLA:CPU does not hoist them)."""
+  out = dict(params)
+  for name, n in stacks(cfg):
+    out[name] = [jax.tree.map(lambda x, i=i: x[i], params[name]) for i in range(n)]
+  return out
+
+
 def layer_slot(cfg: ModelConfig, layer: int) -> tuple[str, int]:
   """Where decoder layer `layer` (HF's `model.layers.{layer}`) lives: (stack key, index in it)."""
   if not 0 <= layer < cfg.n_layers:
@@ -154,31 +164,45 @@ _REMAT_POLICIES = {
 }
 
 
-def _run_stack(cfg, name, stack, x_BTD, ctx, cache_LBS, routed_LBTK, meshes):
-  """Scans one stack's layers over x; returns (x, (new latents, new rope keys), MoE aux, max logits)."""
+def _run_stack(cfg, name, stack, x_BTD, ctx, kv, layer0, routed_LBTK, meshes):
+  """Scans one stack's layers over x; returns (x, kv, MoE aux, max logits [L, H]).
+
+  kv: None (no cache), or the latent cache of *all* layers, (latent [L_all, B, S, C], rope keys
+  [L_all, B, S, R]), carried through the scan: layer layer0 + i writes its new entries in place
+  (`dynamic_update_slice` on the loop-carried buffer) and reads its own slice. Nothing stacks or
+  concatenates per-layer caches, so a decode step costs no copy of the whole cache.
+  """
   graphdef, abstract = _abstract(cfg, name)
   cos, sin, pos_BT, seg_BT, shared_cache = ctx
 
-  def body(x_BTD, xs):
-    layer_params, layer_cache, forced_BTK = xs
+  def body(carry, xs):
+    x_BTD, i, kv = carry
+    layer_params, forced_BTK = xs
     state = jax.tree.map(lambda v: v, abstract)  # fresh Variables to fill
     nnx.replace_by_pure_dict(state, layer_params)
     block = nnx.merge(graphdef, state)
-    cache = None if layer_cache is None else (*layer_cache, *shared_cache)
-    x_BTD, new_cache, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, forced_BTK)
-    return x_BTD, (new_cache, aux, max_logit_H)
+    cache = None if kv is None else (*kv, layer0 + i, *shared_cache)
+    x_BTD, kv, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, forced_BTK)
+    return (x_BTD, i + 1, kv), (aux, max_logit_H)
 
+  if isinstance(stack, list):  # `unstack_layers`: one layer at a time, no slicing of stacked weights
+    carry, ys = (x_BTD, jnp.zeros((), jnp.int32), kv), []
+    for i, layer_params in enumerate(stack):
+      carry, y = body(carry, (layer_params, None if routed_LBTK is None else routed_LBTK[i]))
+      ys.append(y)
+    (x_BTD, _, kv), (aux, max_logit_LH) = carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    return x_BTD, kv, aux, max_logit_LH
   n = jax.tree.leaves(stack)[0].shape[0]
-  if cache_LBS is None and cfg.remat != "none":  # training: recompute the block in the backward pass
+  if kv is None and cfg.remat != "none":  # training: recompute the block in the backward pass
     # A loop keeps XLA from merging the recomputation with the forward pass (CSE), so scanned bodies
     # skip jax's optimisation barrier; XLA removes a loop of one iteration (or an unrolled one), and
     # without the barrier the "recomputed" block reused the forward's buffers: no remat at all.
     barrier = n == 1 or not cfg.scan_layers
     body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=barrier)
-  x_BTD, (new_cache, aux, max_logit_LH) = jax.lax.scan(
-    body, x_BTD, (stack, cache_LBS, routed_LBTK), unroll=1 if cfg.scan_layers else n
+  (x_BTD, _, kv), (aux, max_logit_LH) = jax.lax.scan(
+    body, (x_BTD, jnp.zeros((), jnp.int32), kv), (stack, routed_LBTK), unroll=1 if cfg.scan_layers else n
   )
-  return x_BTD, new_cache, aux, max_logit_LH
+  return x_BTD, kv, aux, max_logit_LH
 
 
 def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_experts_LBTK):
@@ -192,26 +216,20 @@ def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_exper
   )
   x_BTD = sharding.constrain(x_BTD, ("batch", "seq", "act_embed"), meshes)
   cos, sin = rope.cos_sin(cfg, pos_BT)
-  shared_cache = ()
+  shared_cache, kv = (), None
   if cache is not None:
-    index = cache["index"]
+    index = jnp.asarray(cache["index"], jnp.int32)
     k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], pos_BT.astype(jnp.int32), index, 1)
     k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segments"], seg_BT.astype(jnp.int32), index, 1)
-    shared_cache = (index, k_pos, k_seg)
+    shared_cache, kv = (index, k_pos, k_seg), (cache["latent"], cache["k_rope"])
   ctx = (cos, sin, pos_BT, seg_BT, shared_cache)
-  latents, k_ropes, max_logits, moe_aux, start = [], [], [], None, 0
+  max_logits, moe_aux, start = [], None, 0
   for name, n in stacks(cfg):
-    cache_LBS = (
-      None if cache is None else (cache["latent"][start : start + n], cache["k_rope"][start : start + n])
-    )
     routed_LBTK = routed_experts_LBTK if name == MOE else None
-    x_BTD, new_cache, aux, max_logit_LH = _run_stack(
-      cfg, name, params[name], x_BTD, ctx, cache_LBS, routed_LBTK, meshes
+    x_BTD, kv, aux, max_logit_LH = _run_stack(
+      cfg, name, params[name], x_BTD, ctx, kv, start, routed_LBTK, meshes
     )
     max_logits.append(max_logit_LH)
-    if new_cache is not None:
-      latents.append(new_cache[0])
-      k_ropes.append(new_cache[1])
     if aux is not None:
       moe_aux = aux
     start += n
@@ -226,8 +244,8 @@ def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_exper
       "index": cache["index"] + tokens_BT.shape[1],
       "positions": shared_cache[1],
       "segments": shared_cache[2],
-      "latent": jnp.concatenate(latents) if latents else cache["latent"],
-      "k_rope": jnp.concatenate(k_ropes) if k_ropes else cache["k_rope"],
+      "latent": kv[0],
+      "k_rope": kv[1],
     }
   return logits_BTV, aux
 

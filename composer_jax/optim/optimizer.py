@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
@@ -119,7 +120,26 @@ def muon_branch(
     nesterov=True,
     weight_decay=cfg.weight_decay,
     rms_scale=cfg.rms_scale,
+    ns_dtype=cfg.muon_dtype,
   )
+
+
+def clip_by_global_norm_where(max_norm: float, where: Any) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm`'s factor, from the norm of *all* gradients, applied only to the leaves
+  where `where` (a params-shaped bool tree) is True; the others pass through untouched, so nothing
+  computed from them waits for the norm (Muon's Newton–Schulz can start as its gradients are ready)."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    g_norm = optax.tree.norm(updates)
+    trigger = jnp.squeeze(g_norm < max_norm)
+
+    def clip(t, w):
+      return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm) if w else t
+
+    return jax.tree.map(clip, updates, where), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def abstract_params(model_cfg: model.ModelConfig) -> Any:
@@ -131,6 +151,10 @@ def build_optimizer(
   model_cfg: model.ModelConfig, cfg: OptimizerConfig, meshes: sharding.Meshes | None, params: Any = None
 ) -> optax.GradientTransformation:
   """clip → partition {muon: sharded_muon, adam: adamw, frozen: set_to_zero} by logical axes.
+
+  The clip (`grad_clip`, by the global norm of all gradients) scales the AdamW leaves, and the Muon
+  leaves too only with `clip_muon`: Muon's update is orthogonalised, so its size does not follow the
+  gradient's, and without the clip each Muon group can start as soon as its own gradients exist.
 
   `model_cfg` supplies the logical axes, the trainable mask and (abstractly) the parameter shapes;
   `params` may give the shapes instead. Call the result's `init` eagerly (see `sharded_muon`).
@@ -152,5 +176,6 @@ def build_optimizer(
     branches = jax.tree.map(lambda b: "adam" if b == "muon" else b, branches)
   tx = optax.partition({"muon": muon, "adam": adam, "frozen": optax.set_to_zero()}, branches)
   if cfg.grad_clip > 0:
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+    clipped = jax.tree.map(lambda b: b != "muon" or cfg.clip_muon, branches)
+    tx = optax.chain(clip_by_global_norm_where(cfg.grad_clip, clipped), tx)
   return tx

@@ -1,14 +1,13 @@
 """What each device sends in one train step, and Newton–Schulz work, as the code paths do it.
 
 Bytes are per device per optimizer step (ring algorithms: an all-gather or reduce-scatter over n
-devices sends (n−1)/n of the buffer, an all-reduce twice that). The Muon figures reproduce
-`optim.muon`'s own grouping (`optim.group_views`): same views, same groups, same padding.
+devices sends (n−1)/n of the buffer, an all-reduce twice that). The Muon figures are `optim.muon`'s own
+groups (`optim.group_views`: same views, modes, copies and padding), which count their own work.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -16,17 +15,15 @@ import numpy as np
 from composer_jax import optim
 from composer_jax.model.config import ModelConfig
 from composer_jax.optim import newton_schulz
+from composer_jax.optim.muon_groups import ring
 from composer_jax.plan.layout import Layout, Leaf
+
+__all__ = ["MuonGroupWork", "collective_bytes", "muon_groups", "muon_work", "ring"]
 
 # Buffers of a group's whole matrices alive during Newton-Schulz: the gathered stack, its transpose,
 # the iterate and the next one, the result and its transpose back (6 at the kimi_k25_1t peak on
 # XLA:TPU, next to the group's exchanged local stack: 7 buffers of [45, 2048, 7168] f32).
 NS_COPIES = 6
-
-
-def ring(n: int) -> float:
-  """Fraction of a buffer each device sends in a ring all-gather / reduce-scatter over n devices."""
-  return (n - 1) / n if n > 1 else 0.0
 
 
 def collective_bytes(
@@ -77,74 +74,81 @@ def collective_bytes(
 
 @dataclasses.dataclass(frozen=True)
 class MuonGroupWork:
-  """One Muon group as a device sees it (sizes from `optim.group_views`)."""
+  """One Muon group as a device sees it (sizes, mode and copies from `optim.group_views`)."""
 
-  shape: tuple[int, int]  # (M, K) of one matrix
+  shape: tuple[int, int]  # (M, K) of one matrix, M ≤ K
   mesh: str  # dense | expert
+  mode: str  # whole | sharded
   matrices: int  # all devices together
-  per_device: int  # whole matrices each device orthogonalises (padding included)
-  stack_bytes: int  # the zero-padded local stack (and as large again after its all-to-all)
+  per_device: int  # matrices each device orthogonalises (padding included; sharded: its part of each)
+  ns_flops: int  # NS FLOPs per device
+  stack_bytes: int  # the zero-padded local stack
   exchanged: bool  # matrices are sharded: the stack is materialised for the all-to-all
-  whole_bytes: int  # the whole matrices this device orthogonalises
+  whole_bytes: int  # the matrices (whole, or this device's parts) it orthogonalises at once
   all_to_all_bytes: int
   all_gather_bytes: int
+  all_reduce_bytes: int
 
 
-def muon_groups(params: list[Leaf]) -> list[MuonGroupWork]:
-  """The groups `sharded_muon` forms for these parameters, with per-device work and buffers."""
+def muon_groups(params: list[Leaf], ns_steps: int = 5, ns_dtype: Any = None) -> list[MuonGroupWork]:
+  """The groups `sharded_muon` forms for these parameters, with per-device work and buffers.
+
+  ns_dtype: the dtype NS and its collectives run in (`OptimizerConfig.muon_dtype`); None: each
+  parameter's own (the momentum's), as `sharded_muon(ns_dtype=None)` does."""
   muon = {i: p for i, p in enumerate(params) if p.label == "muon"}
   views = {i: optim.matrix_view(p.shape, p.dn, p.where) for i, p in muon.items()}
+  dtypes = {i: p.dtype if ns_dtype is None else np.dtype(ns_dtype) for i, p in muon.items()}
   out = []
-  for g in optim.group_views(views, {i: p.dtype for i, p in muon.items()}):
-    _, m_axes, k_axes = g.view.axes
-    m, k = g.view.shape[1:]
-    shape = dict(g.view.mesh.shape) if g.view.mesh is not None else {}
-    m_split, k_split = (math.prod(shape[a] for a in ax) for ax in (m_axes, k_axes))
-    itemsize = np.dtype(g.dtype).itemsize
-    stack = g.padded * (m // m_split) * (k // k_split) * itemsize
+  for g in optim.group_views(views, dtypes, ns_steps=ns_steps):
+    sent = g.collective_bytes(ns_steps)
     out.append(
       MuonGroupWork(
-        shape=(m, k),
+        shape=g.view.shape[1:],
         mesh=muon[g.members[0]].mesh,
+        mode=g.mode,
         matrices=sum(views[i].shape[0] for i in g.members),
         per_device=g.per_device,
-        stack_bytes=stack,
+        ns_flops=g.ns_flops(ns_steps),
+        stack_bytes=g.stack_bytes,
+        all_to_all_bytes=sent["all_to_all"],
+        all_gather_bytes=sent["all_gather"],
+        all_reduce_bytes=sent["all_reduce"],
         exchanged=g.exchange > 1,
-        whole_bytes=g.per_device * m * k * itemsize,
-        all_to_all_bytes=int(2 * (ring(m_split) + ring(k_split)) * stack),
-        all_gather_bytes=int(ring(g.copies) * g.padded // g.exchange * m * k * itemsize),
+        whole_bytes=g.slots * g.shard_bytes * (g.exchange if g.mode == "whole" else 1),
       )
     )
   return out
 
 
-def muon_work(params: list[Leaf], ns_steps: int) -> dict[str, Any]:
-  """Newton–Schulz FLOPs and all-to-all bytes per device, as `optim.muon` splits the work.
+def muon_work(params: list[Leaf], ns_steps: int, ns_dtype: Any = None) -> dict[str, Any]:
+  """Newton–Schulz FLOPs and collective bytes per device, as `optim.muon` splits the work.
 
-  Per group and device: local matrices padded (`optim.group_views`), NS on its share of whole
-  matrices, all-to-alls over the M and K axes there and back, and an all-gather of the NS results
-  over the copy axes when the group is split among them. Padding matrices are zeros but cost full NS
-  FLOPs and buffer space.
+  Per group and device (`optim.group_views`): its slots of NS (whole matrices, or its part of each
+  matrix orthogonalised sharded), the all-to-alls that make them whole and back, and how the copies
+  share results (all-gather or all-reduce), plus in the sharded mode a psum of the Gram matrix per step.
+  Padding matrices are zeros but cost full NS FLOPs and buffer space.
   """
-  groups = muon_groups(params)
+  groups = muon_groups(params, ns_steps, ns_dtype)
   per_mesh = {"dense": 0, "expert": 0}
   flops_total = 0
   for g in groups:
-    one = newton_schulz.flops(*g.shape, ns_steps)
-    per_mesh[g.mesh] += g.per_device * one
-    flops_total += g.matrices * one
+    per_mesh[g.mesh] += g.ns_flops
+    flops_total += g.matrices * newton_schulz.flops(*g.shape, ns_steps)
   stacks = [g.stack_bytes for g in groups]
   in_flight = [g.stack_bytes * g.exchanged + NS_COPIES * g.whole_bytes for g in groups]
-  return {
+  out = {
     "ns_flops_per_device": int(sum(per_mesh.values())),
     "ns_flops_per_device_by_mesh": per_mesh,
     "ns_flops_total": int(flops_total),
     "groups": len(groups),
     "all_to_all_bytes": sum(g.all_to_all_bytes for g in groups),
     "all_gather_bytes": sum(g.all_gather_bytes for g in groups),
-    # the zero-padded local stack of a group (and as large again after its all-to-all)
+    "all_reduce_bytes": sum(g.all_reduce_bytes for g in groups),
+    # the zero-padded local stack of a group
     "largest_group_stack_bytes": max(stacks, default=0),
     "all_groups_stack_bytes": sum(stacks),
     # the largest group while it is orthogonalised: its stack if exchanged, NS_COPIES x its whole matrices
     "largest_group_in_flight_bytes": max(in_flight, default=0),
   }
+  out["collective_bytes"] = out["all_to_all_bytes"] + out["all_gather_bytes"] + out["all_reduce_bytes"]
+  return out

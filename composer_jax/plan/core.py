@@ -103,7 +103,7 @@ def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:
     v for mesh in ("dense", "expert") for k, v in mem[mesh].items() if k not in ("grads", "grad_accum_f32")
   )
   coll = comms.collective_bytes(cfg, layout, params, accum, rows)
-  muon = comms.muon_work(params, ocfg.ns_steps)
+  muon = comms.muon_work(params, ocfg.ns_steps, ocfg.muon_dtype)
   phases, temp = _temporaries(cfg, layout, params, mem, acts, muon, micro, seq, accum, tpu)
   peak = state + mem["other"]["batch"] + temp
   xla = {

@@ -30,7 +30,7 @@ top-k, top-p, stop tokens (padded to a multiple of 8), per-row limits, feed_last
 traced, so `extend` and `decode` compile once per (batch, prompt length, cache length) and serve
 every sampling setting. All loop state stays on device; the host sees only the results.
 
-Decode steps run the MoE on the capacity path sized to drop nothing (`decode_config`).
+Decode steps run the MoE on every expert for each token on CPU (`decode_config`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax import model, sharding
+from composer_jax import backend, model, sharding
 from composer_jax.model import ModelConfig
 
 PAD_SEGMENT, REAL_SEGMENT = 0, 1
@@ -64,15 +64,36 @@ class Sample(NamedTuple):
 # --- token selection ---------------------------------------------------------------------------
 
 
+# top_k up to this bound is served by `lax.top_k` over this many candidates instead of a full sort.
+TOP_K_FAST = 128
+
+
 def filter_logits(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """Logits with everything outside top-k, then outside the top-p nucleus, set to -inf.
 
   top_k = 0 and top_p >= 1 switch a filter off. Both act on values, so tokens tied with the last
   kept one are kept too. Top-p keeps the smallest set of most likely tokens whose probability
-  (renormalised after top-k) reaches top_p, and always the most likely token.
+  (renormalised after top-k) reaches top_p, and always the most likely token. With
+  0 < top_k ≤ `TOP_K_FAST` only the `TOP_K_FAST` largest logits are found (`lax.top_k`) and filtered,
+  the same result as sorting the whole vocabulary.
   """
   V = logits_BV.shape[-1]
-  sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # descending
+  if V <= TOP_K_FAST:
+    return _filter_sorted(logits_BV, -jnp.sort(-logits_BV, axis=-1), top_k, top_p)
+  fast = (top_k > 0) & (top_k <= TOP_K_FAST)
+  return jax.lax.cond(
+    fast,
+    lambda z: _filter_sorted(z, jax.lax.top_k(z, TOP_K_FAST)[0], top_k, top_p),
+    lambda z: _filter_sorted(z, -jnp.sort(-z, axis=-1), top_k, top_p),
+    logits_BV,
+  )
+
+
+def _filter_sorted(
+  logits_BV: jax.Array, sorted_BV: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+  """`filter_logits` given the largest logits in descending order (all of them, or at least top_k)."""
+  V = sorted_BV.shape[-1]
   rank_1V = jnp.arange(V)[None, :]
   keep_k_BV = jnp.broadcast_to((top_k <= 0) | (rank_1V < top_k), sorted_BV.shape)
   probs_BV = jax.nn.softmax(jnp.where(keep_k_BV, sorted_BV, -jnp.inf), axis=-1)
@@ -88,20 +109,41 @@ def select(
   """(token_B, logprob_B under the raw model, logprob_B under the sampling distribution).
 
   temperature = 0 is greedy (argmax of the raw logits, first index on ties). The filters' sort is
-  skipped at run time when both are off.
+  skipped at run time when both are off. One uniform per row from its key (`select_uniform`).
   """
+  u_B = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)
+  return select_uniform(logits_BV, u_B, temperature, top_k, top_p)
+
+
+def select_uniform(
+  logits_BV: jax.Array, u_B: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`select` given each row's uniform in [0, 1), at which the sample inverts the row's CDF. Not
+  Gumbel-max: its V draws per row per token are threefry, a rolled loop on XLA:CPU (two inside every
+  decode step, fold_in and noise: more ops than the tiny model); `decode` draws all uniforms once."""
   logits_BV = logits_BV.astype(jnp.float32)
   safe_t = jnp.where(temperature > 0, temperature, 1.0)
   needs_filter = (top_k > 0) | (top_p < 1.0)
   tempered_BV = jax.lax.cond(
     needs_filter, lambda z: filter_logits(z, top_k, top_p), lambda z: z, logits_BV / safe_t
   )
-  sampled_B = jax.vmap(jax.random.categorical)(keys_B, tempered_BV).astype(jnp.int32)
+  sampled_B = inverse_cdf(tempered_BV, u_B)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   token_B = jnp.where(temperature > 0, sampled_B, greedy_B)
   logprob_B = _take(jax.nn.log_softmax(logits_BV, axis=-1), token_B)
   sample_logprob_B = jnp.where(temperature > 0, _take(jax.nn.log_softmax(tempered_BV, axis=-1), token_B), 0.0)
   return token_B, logprob_B, sample_logprob_B
+
+
+def inverse_cdf(logits_BV: jax.Array, u_B: jax.Array) -> jax.Array:
+  """A sample of softmax(logits) per row: the first index whose CDF exceeds u·total. Entries of
+  probability 0 are never chosen (rounding at the top falls back to the last entry with mass)."""
+  probs_BV = jnp.exp(logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True))
+  cdf_BV = jnp.cumsum(probs_BV, axis=-1)
+  idx_B = jnp.sum(cdf_BV <= u_B[:, None] * cdf_BV[:, -1:], axis=-1)
+  V = logits_BV.shape[-1]
+  last_B = V - 1 - jnp.argmax(probs_BV[:, ::-1] > 0, axis=-1)
+  return jnp.minimum(idx_B, last_B).astype(jnp.int32)
 
 
 def _take(x_BV: jax.Array, idx_B: jax.Array) -> jax.Array:
@@ -165,18 +207,72 @@ def extend(
 
 
 def decode_config(cfg: ModelConfig) -> ModelConfig:
-  """The config of the one-token decode steps: MoE on the capacity path with room for every
-  assignment (capacity_factor = n_experts), so nothing is dropped and each token's output is the
-  same function as on the training path.
-
-  Why: the default "blocked" path pads every expert's rows to `expert_block` (128), so a decode
-  step of B·top_k assignments multiplies up to n_experts·128 rows, in a scan; the capacity path is
-  one batched matmul over n_experts·B·top_k rows. At the benchmark shape (B = 8, CPU) this made
-  the whole decode loop ~3x faster. Prefill (T > 1) keeps the caller's config.
+  """The config of the one-token decode steps on CPU: layers one by one (`decode` splits the stacks
+  once, `model.unstack_layers`) and the MoE computing every expert for each of the B tokens ("dense":
+  B·E rows, exact, dropless, no sort). Why (benchmark shape, B = 8, CPU): slicing each layer out of
+  the stacks inside the loop copied all expert weights every step (15.6 → 5.6 ms CPU per step); the
+  training default "blocked" pads every expert's rows to `expert_block` (128), and a capacity path
+  with room for every assignment multiplies E·B·top_k rows. Other platforms keep their config.
   """
-  if cfg.expert_impl != "blocked":
+  if backend.expert_impl(cfg.expert_impl) != "blocked":
     return cfg
-  return dataclasses.replace(cfg, expert_impl="capacity", capacity_factor=float(cfg.n_experts))
+  return dataclasses.replace(cfg, expert_impl="dense", scan_layers=False)
+
+
+class _Settings(NamedTuple):
+  """The traced sampling settings of one `decode` call."""
+
+  uniforms: jax.Array  # [B, N]: row b's uniform for its t-th token, all drawn before the loop
+  max_new: jax.Array  # [B]
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  stop_tokens: jax.Array  # [S]
+
+
+def _sample_step(s: dict, o: _Settings) -> dict:
+  """Samples one token for every live row from `s["logits"]` and writes it at column t."""
+  u_B = jax.lax.dynamic_index_in_dim(o.uniforms, jnp.minimum(s["t"], o.uniforms.shape[1] - 1), 1, False)
+  token_B, logprob_B, sample_logprob_B = select_uniform(s["logits"], u_B, o.temperature, o.top_k, o.top_p)
+  live_B = s["live"]
+  stopped_B = jnp.any(token_B[:, None] == o.stop_tokens[None, :], axis=-1)
+
+  def write(x_BN, v_B):  # rows that are not live keep column t as it is (pad / 0)
+    old_B = jax.lax.dynamic_index_in_dim(x_BN, s["t"], 1, keepdims=False)
+    return jax.lax.dynamic_update_slice_in_dim(x_BN, jnp.where(live_B, v_B, old_B)[:, None], s["t"], 1)
+
+  return {
+    **s,
+    "t": s["t"] + 1,
+    "tokens": write(s["tokens"], token_B),
+    "logprobs": write(s["logprobs"], logprob_B),
+    "sample_logprobs": write(s["sample_logprobs"], sample_logprob_B),
+    "lengths": s["lengths"] + live_B,
+    "live": live_B & ~stopped_B & (s["lengths"] + 1 < o.max_new),
+    "pending": live_B,  # sampled this iteration, not yet in the cache
+    "last": token_B,
+  }
+
+
+def _feed(s: dict, params: dict, cfg: ModelConfig, meshes) -> dict:
+  """Runs the model on the last sampled tokens (rows that are done feed padding): the cache gets their
+  entries in place, `logits` the next distribution, `routed` their experts at column t − 1."""
+  step_logits_B1V, cache, routed_B1LK = extend(
+    params,
+    decode_config(cfg),
+    s["cache"],
+    s["last"][:, None],
+    s["pending"].astype(jnp.int32),
+    meshes=meshes,
+    with_routing=True,
+  )
+  return {
+    **s,
+    "cache": cache,
+    "logits": step_logits_B1V[:, 0],
+    "pending": jnp.zeros_like(s["pending"]),
+    "routed": jax.lax.dynamic_update_slice_in_dim(s["routed"], routed_B1LK, s["t"] - 1, axis=1),
+  }
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "meshes"))
@@ -205,63 +301,21 @@ def decode(
   with -1); a row ends after emitting one. temperature, top_k, top_p, pad_id, feed_last: traced
   scalars (`settings` builds the middle five).
 
-  Each iteration samples one token for every live row, then — unless no row is live any more —
-  runs the model on those tokens (finished rows feed padding) to get the next logits. The loop
-  exits as soon as every row is done, so it costs max(lengths) - 1 forwards. With feed_last the
-  final tokens are fed too (one more forward), so the returned cache holds every generated
-  token, ready for `extend` with the next observation; the cache needs index + max_new_tokens
-  free slots then (index + max_new_tokens - 1 without). `Sample.routed_experts` records, for each
-  generated token, the experts it was routed to when fed (the same step that computes its cache
+  The loop samples one token for every live row, then, while any row is live, runs the model on those
+  tokens (finished rows feed padding) and samples again: max(lengths) − 1 forwards. The cache is loop
+  state updated in place (`model.apply` writes each layer's entries into the carried buffer). With
+  feed_last the final tokens are fed too (one more forward, outside the loop), so the returned cache
+  holds every generated token, ready for `extend` with the next observation; the cache needs index +
+  max_new_tokens free slots then (index + max_new_tokens - 1 without). `Sample.routed_experts` records,
+  for each generated token, the experts it was routed to when fed (the step that computes its cache
   entry), so the final token has them only with feed_last.
   """
-  B, V = logits.shape
+  B, _ = logits.shape
   N = max_new_tokens
-  cols_N = jnp.arange(N)
-  max_new_B = jnp.minimum(jnp.asarray(max_new, jnp.int32), N)
-
-  def sample_step(s):
-    keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys, s["t"])
-    token_B, logprob_B, sample_logprob_B = select(s["logits"], keys_B, temperature, top_k, top_p)
-    live_B = s["live"]
-    write_BN = (cols_N[None, :] == s["t"]) & live_B[:, None]
-    stopped_B = jnp.any(token_B[:, None] == stop_tokens[None, :], axis=-1)
-    return {
-      **s,
-      "t": s["t"] + 1,
-      "tokens": jnp.where(write_BN, token_B[:, None], s["tokens"]),
-      "logprobs": jnp.where(write_BN, logprob_B[:, None], s["logprobs"]),
-      "sample_logprobs": jnp.where(write_BN, sample_logprob_B[:, None], s["sample_logprobs"]),
-      "lengths": s["lengths"] + live_B,
-      "live": live_B & ~stopped_B & (s["lengths"] + 1 < max_new_B),
-      "pending": live_B,  # sampled this iteration, not yet in the cache
-      "last": token_B,
-    }
-
-  def feed(s):
-    step_logits_B1V, cache, routed_B1LK = extend(
-      params,
-      decode_config(cfg),
-      s["cache"],
-      s["last"][:, None],
-      s["pending"].astype(jnp.int32),
-      meshes=meshes,
-      with_routing=True,
-    )
-    # The fed tokens were sampled at column t - 1; rows that fed padding write -1 there (unused).
-    routed_BNLK = jax.lax.dynamic_update_slice_in_dim(s["routed"], routed_B1LK, s["t"] - 1, axis=1)
-    return {
-      **s,
-      "cache": cache,
-      "logits": step_logits_B1V[:, 0],
-      "pending": jnp.zeros_like(s["pending"]),
-      "routed": routed_BNLK,
-    }
-
-  def body(s):
-    s = sample_step(s)
-    go_on = jnp.any(s["live"]) | (feed_last & jnp.any(s["pending"]))
-    return jax.lax.cond(go_on, feed, lambda s: s, s)
-
+  u_BN = jax.vmap(lambda k: jax.random.uniform(k, (N,)))(keys)
+  if not decode_config(cfg).scan_layers:  # per-layer weights sliced once, not in every step
+    params = model.unstack_layers(params, cfg)
+  o = _Settings(u_BN, jnp.minimum(jnp.asarray(max_new, jnp.int32), N), temperature, top_k, top_p, stop_tokens)
   state = {
     "t": jnp.zeros((), jnp.int32),
     "cache": cache,
@@ -270,12 +324,21 @@ def decode(
     "logprobs": jnp.zeros((B, N), jnp.float32),
     "sample_logprobs": jnp.zeros((B, N), jnp.float32),
     "lengths": jnp.zeros((B,), jnp.int32),
-    "live": max_new_B > 0,
+    "live": o.max_new > 0,
     "pending": jnp.zeros((B,), bool),
     "last": jnp.zeros((B,), jnp.int32),
     "routed": jnp.full((B, N, cfg.n_moe_layers, cfg.top_k), -1, jnp.int32),
   }
-  s = jax.lax.while_loop(lambda s: jnp.any(s["live"]), body, state)
+  s = _sample_step(state, o)  # a no-op for rows with max_new 0
+  s = jax.lax.while_loop(
+    lambda s: jnp.any(s["live"]), lambda s: _sample_step(_feed(s, params, cfg, meshes), o), s
+  )
+  s = jax.lax.cond(
+    jnp.asarray(feed_last, bool) & jnp.any(s["pending"]),
+    lambda s: _feed(s, params, cfg, meshes),
+    lambda s: s,
+    s,
+  )
   return Sample(s["tokens"], s["logprobs"], s["sample_logprobs"], s["lengths"], s["cache"], s["routed"])
 
 
