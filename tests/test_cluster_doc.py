@@ -94,18 +94,7 @@ def test_compiled_fit_claims(row):
     assert plan["peak"] / _GIB <= _V5P_GIB, plan
 
 
-_PLANNER_BEHIND = pytest.mark.xfail(
-  strict=True,
-  reason="the planner's Muon-in-flight term (a stack + 6 whole copies, fitted on the zero-padded fp32 "
-  "Muon) puts the update phase 9 GiB above XLA:TPU's temp on the unpadded bf16 Muon (RESULTS, issue 15)",
-)
-
-
-@pytest.mark.parametrize(
-  "row",
-  [pytest.param(r, marks=_PLANNER_BEHIND) if "kimi" in r["variant"] else r for r in _COMPILED],
-  ids=lambda r: _variant(r["variant"]),
-)
+@pytest.mark.parametrize("row", _COMPILED, ids=lambda r: _variant(r["variant"]))
 def test_planner_temp_within_15_percent_of_the_quoted_compile(row):
   (quoted,) = _numbers(row["plan temp / XLA temp"])
   assert abs(quoted - 1) <= 0.15, row
