@@ -156,3 +156,17 @@ def test_bf16_compute_keeps_fp32_master_weights(meshes):
     losses.append(float(m["loss"]))
   assert losses[0] != losses[1]  # really computed differently
   np.testing.assert_allclose(losses[1], losses[0], rtol=2e-2)
+
+
+def test_update_rms_traces_past_two_billion_elements():
+  """`_rms` over leaves of more than 2^31 elements in all (kimi_k25_1t's Muon leaves) traces: its
+  element count is a Python float, which an int32 division by the count would overflow."""
+  big = {
+    "a": jax.ShapeDtypeStruct((2**16, 2**15), jnp.bfloat16),
+    "b": jax.ShapeDtypeStruct((2**16,), jnp.float32),
+  }
+  labels = {"a": "muon", "b": "muon"}
+  out = jax.eval_shape(lambda t: pt._rms(t, labels, "muon"), big)
+  assert out.shape == () and out.dtype == jnp.float32
+  small = {"a": jnp.full((3, 4), 2.0), "b": jnp.zeros((4,))}
+  np.testing.assert_allclose(pt._rms(small, labels, "muon"), np.sqrt(48 / 16), rtol=1e-6)

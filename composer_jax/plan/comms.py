@@ -20,10 +20,11 @@ from composer_jax.plan.layout import Layout, Leaf
 
 __all__ = ["MuonGroupWork", "collective_bytes", "muon_groups", "muon_work", "ring"]
 
-# Buffers of a group's whole matrices alive during Newton-Schulz: the gathered stack, its transpose,
-# the iterate and the next one, the result and its transpose back (6 at the kimi_k25_1t peak on
-# XLA:TPU, next to the group's exchanged local stack: 7 buffers of [45, 2048, 7168] f32).
-NS_COPIES = 6
+# Copies of a group's whole matrices alive during Newton-Schulz, next to its exchanged local stack: the
+# iterate and the next one. Fitted on kimi_k25_1t's Muon update alone (unpadded groups, bf16 NS),
+# compiled for v5p:8x8x16: temp 6.4 GiB per chip, of which this gives 5.6 (stack 1.9 + 2 x 1.9). The
+# zero-padded fp32 Muon before it held 6 (its transposes and the result's too).
+NS_COPIES = 2
 
 
 def collective_bytes(
