@@ -223,7 +223,7 @@ class RLConfig:
   objective: str = "drgrpo"  # rl.objectives.OBJECTIVES
   advantage: str = "drgrpo"  # rl.objectives.ADVANTAGES
   tis_cap: float = 2.0  # truncated importance sampling against the sampler's log-probs: weight ≤ cap
-  # targeted text feedback (notes/rl.md §5; benchmarks/RESULTS.md has what each setting did)
+  # targeted text feedback (benchmarks/RESULTS.md has what each setting did)
   lambda_feedback: float = 1.0  # 0: RL alone; an exchange rate: the term is on the RL objective's scale
   # "loss": + λ·D(student‖teacher) on the selected tokens, reduced like the policy loss (same count);
   # "advantage": λ·clip(sg(log q − log p)) joins the selected tokens' advantages (on-policy distillation).

@@ -111,3 +111,22 @@ def test_only_sharding_names_mesh_axes():
       if isinstance(node, ast.Constant) and node.value in ("expert_fsdp", "replica", "fsdp"):
         offenders.append(f"{path.relative_to(_PKG)}:{node.lineno} {node.value!r}")
   assert offenders == []
+
+
+def test_the_repo_stands_alone():
+  """No file points a reader at a design doc or note that lives outside the repository."""
+  import re
+
+  root = _PKG.parent
+  outside = re.compile(r"\bnotes/\w+\.md|\bDESIGN\.md|\bSTYLE\.md")
+  files = [*root.glob("*.md"), *root.glob("*.py"), *root.glob("docs/*.md"), *root.glob("experiments/*.py")]
+  files += [*root.glob("benchmarks/*.py"), *root.glob("notebooks/*.ipynb"), *_PKG.rglob("*.py")]
+  files += [*root.glob("tests/*.py")]
+  hits = [
+    f"{p.relative_to(root)}:{i}"
+    for p in files
+    if p.name != "test_architecture.py"
+    for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+    if outside.search(line)
+  ]
+  assert hits == []

@@ -479,7 +479,7 @@ def test_from_hf_published_kimi_config(hf_config):
   assert factor == pytest.approx(hf_factor, rel=1e-12)
   hf_scale = hf.qk_head_dim**-0.5 * yarn_get_mscale(64.0, 1.0) ** 2
   assert cfg.softmax_scale == pytest.approx(hf_scale, rel=1e-12)
-  assert cfg.softmax_scale == pytest.approx(0.14468, abs=1e-5)  # notes/moe.md §2
+  assert cfg.softmax_scale == pytest.approx(0.14468, abs=1e-5)  # YaRN mscale folded into the softmax scale
 
 
 def test_kimi_k2_shapes_and_parameter_count():
@@ -492,7 +492,7 @@ def test_kimi_k2_shapes_and_parameter_count():
   assert abstract["moe_layers"]["attn"]["kv_b_proj"].shape == (60, 512, 64, 256)
   assert abstract["dense_layers"]["mlp"]["gate_proj"].shape == (1, 7168, 18432)
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
-  assert total == pytest.approx(1.0264e12, rel=1e-4)  # notes/moe.md §3 (meta-device count)
+  assert total == pytest.approx(1.0264e12, rel=1e-4)  # HF's own count on the meta device
 
 
 def test_from_hf_rejects_other_architectures():

@@ -3,9 +3,9 @@
 Shape suffixes: T tokens, K top-k, E experts, G router groups, D d_model, F expert hidden,
 A assignments (T·K), S source devices, P destination devices.
 
-References follow HF `DeepseekV3TopkRouter` / `DeepseekV3MoE` (notes/moe.md §2): sigmoid scores,
-bias added for selection only, group score = sum of the top 2 per group, keep `topk_group` groups,
-weights = unbiased scores of the chosen experts, renormalised, × routed_scaling_factor.
+References follow HF `DeepseekV3TopkRouter` / `DeepseekV3MoE` (transformers' modeling_deepseek_v3.py):
+sigmoid scores, bias added for selection only, group score = sum of the top 2 per group, keep
+`topk_group` groups, weights = unbiased scores of the chosen experts, renormalised, × routed_scaling_factor.
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ def test_cost_model_recomputes_small_heads_on_accelerators():
 @pytest.mark.parametrize("mode", ["whole", "sharded"])
 def test_bf16_newton_schulz(mode):
   """ns_dtype=bfloat16: the collectives carry bf16, the update stays fp32, and it is as close to the fp32
-  update as bf16 NS on one device is (bf16 NS itself is ~3-6 % off fp32: notes/muon.md §5 measured
-  0.035; normalising shards locally, the bug of §6, would be off by ~30 %)."""
+  update as bf16 NS on one device is (bf16 NS itself is ~3-6 % off fp32, measured
+  0.035; normalising shards locally, a known bug, would be off by ~30 %)."""
   meshes = sharding.build_meshes((2, 4, 1), (8, 1))
   shard = {"w": NamedSharding(meshes.dense, P(None, "fsdp") if mode == "whole" else P("fsdp"))}
   shapes = {"w": (8, 16, 48)} if mode == "whole" else {"w": (16, 48)}

@@ -9,7 +9,7 @@ R rows of the padded block layout.
 - "ragged": sort assignments by expert → `jax.lax.ragged_dot` grouped matmuls → unsort. Dropless.
   XLA:CPU lowers ragged_dot as a masked dense matmul over all E groups (E× the work), and so does
   XLA:GPU (a zero-padded dense expansion: E_local× the FLOPs, out of memory at 48 local experts);
-  XLA:TPU has a native grouped matmul (notes/accelerators.md).
+  XLA:TPU has a native grouped matmul.
 - "tokamax": the same sort, with tokamax's grouped-matmul kernels (`tokamax.ragged_dot`: Pallas Mosaic
   on TPU, Triton on GPU; megablocks-style tiles over the sorted rows, with their own backward).
   Needs `pip install tokamax` (extra `kernels`) and `shard_map` around it (Mosaic kernels are not

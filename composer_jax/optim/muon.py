@@ -3,7 +3,7 @@
 Shape suffixes: B batch of matrices in one leaf (axes that are neither reduction nor output),
 M, K the matrix sides (oriented M ≤ K), N matrices stacked in a group (local), P padded N.
 
-Data flow (DESIGN.md "Sharded Muon"; notes/muon.md §4, the algorithm of microsoft/dion's
+Data flow (the algorithm of microsoft/dion's
 `megabatch_orthogonalize_async`): momentum → cast to the NS dtype → per-leaf [B, M, K] views → groups
 of views with equal (mesh, sharding, M, K, dtype) (`muon_groups`: mode and copy axes per group by a
 cost model) → in one `shard_map` per group: stack the local blocks, pad to the group's exchange
@@ -241,7 +241,7 @@ def sharded_muon(
   flops_per_byte, sharded_min_elements: how groups are split (`muon_groups.group_views`); None: by
     the meshes' platform.
   Call `init` eagerly (or jit it with `out_shardings`): under jit, zeros of an Auto-mesh array lose
-  their sharding (notes/muon.md §8).
+  their sharding.
   """
   if rms_scale not in _RMS_SCALES:
     raise ValueError(f"rms_scale must be one of {_RMS_SCALES}; got {rms_scale!r}.")

@@ -6,7 +6,7 @@ S Newton–Schulz steps.
 Each step maps X ↦ a·X + (b·A + c·A²)·X with A = X·Xᵀ, an odd polynomial in X that pushes every
 singular value towards 1 while keeping the singular vectors (Jordan, "Muon", 2024). The input must
 be a *whole* matrix: the Frobenius normalisation that puts σ ≤ 1 is a global reduction, so callers
-gather shards first (normalising a local shard is the bug of notes/muon.md §6).
+gather shards first (normalising a local shard alone gives a different matrix: a known bug).
 """
 
 from __future__ import annotations

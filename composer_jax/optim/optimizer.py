@@ -1,7 +1,7 @@
 """The training optimizer: sharded Muon on matrices, AdamW on the rest, nothing on frozen leaves.
 
 Which leaf gets what is read from the model's *logical axes* (never from ndim, which would send
-stacked experts to Adam and embeddings to Muon — notes/muon.md §1):
+stacked experts to Adam and embeddings to Muon):
 - any `vocab` axis (embedding, LM head), any unnamed axis (norms, the router's (embed, None)),
   or fewer than two matrix axes → AdamW;
 - `heads`, `expert`, `layers` are batch axes, so attention is orthogonalised per head and experts

@@ -5,7 +5,7 @@ After an optimizer step, each head h whose largest logit in the step's forward p
 where q_nope, q_rope come from the query projection's head slice and k_nope from the key part of
 `kv_b_proj`, while the rotary key k_rope is shared by all heads. Scaling q_nope and k_nope by
 √γ_h and q_rope by γ_h multiplies the whole logit by γ_h and leaves the shared key untouched
-(notes/muon.md §2, from the Kimi K2 report). Values and the output projection are not changed.
+(from the Kimi K2 report, arXiv 2507.20534). Values and the output projection are not changed.
 
 Shape suffixes: L layers, H heads, K qk head dim, N qk_nope head dim.
 """

@@ -1,6 +1,6 @@
 """The turn format on token ids, the tool-call syntax and its never-raising parser, and `Trajectory`.
 
-Token ids are the truth (notes/rl.md §4: re-templating text changes tokens and breaks PPO ratios), so
+Token ids are the truth (re-templating text changes tokens and breaks PPO ratios), so
 turns are built by concatenating `tok.encode(text)` with special ids, never by re-tokenising a string:
 
   message      <|system|> / <|user|> text <|end_turn|>

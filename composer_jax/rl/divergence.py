@@ -2,9 +2,9 @@
 
 Shape suffixes: B batch, T time, V vocab, K top-k buckets (k kept tokens + 1 tail).
 
-Used by targeted text feedback (notes/rl.md §5): the teacher is the same model with a hint inserted
+Used by targeted text feedback: the teacher is the same model with a hint inserted
 before turn k, the student is the original context, and the loss is a per-token divergence on turn
-k's tokens. Directions (notes/rl.md §1, KL(a‖b) = Σ a (log a - log b)):
+k's tokens. Directions (KL(a‖b) = Σ a (log a - log b)):
   reverse_kl = KL(P_S‖P_T)  (mode seeking; SDFT/SDPO's reverse direction),
   forward_kl = KL(P_T‖P_S)  (mass covering; cross-entropy to the teacher + const),
   jsd        = β·KL(P_T‖M) + (1-β)·KL(P_S‖M), M = β·P_T + (1-β)·P_S (GKD, arXiv 2306.13649).

@@ -1,5 +1,5 @@
 """Targeted text feedback, host side: find assistant turns that went wrong, a hint for each, and the
-teacher's input with the hint inserted right before that turn (notes/rl.md §5).
+teacher's input with the hint inserted right before that turn.
 
   found = detect(traj, env.info(), FeedbackRules())          # [(turn k, kind), ...]
   hint = hint_ids(hint_for(kind, env.info()))                # a <|user|> message, token ids
@@ -12,7 +12,7 @@ edits_tests (a write to a test file), over_long. An environment names the kinds 
 corpus teaches in `env_info["feedback_kinds"]`; `FeedbackRules.kinds` overrides that.
 Most hints restate what is in context (tool names, the call syntax, "run the tests"); stale_tool
 states a rule shared by every episode, which a model can learn for good ("shared rules can be
-distilled, per-episode private information cannot", notes/rl.md §1). Controls for the gate and the
+distilled, per-episode private information cannot"). Controls for the gate and the
 null-hint arm: `hint_for(..., variant="null")` is a neutral note, `variant="wrong"` the same hint with
 wrong content. The loss itself is `rl.feedback_loss` (divergence.py).
 """

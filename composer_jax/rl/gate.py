@@ -1,5 +1,5 @@
 """The feedback gate: does the hinted teacher beat the student on the turns it would correct? Measured
-before any RL (DESIGN.md, "Targeted text feedback": without that there is nothing to distil).
+before any RL: a teacher no better than the student has nothing to distil.
 
 Shape suffixes: B batch (rows), T time, N tokens of a turn, V vocab.
 

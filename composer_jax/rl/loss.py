@@ -4,7 +4,7 @@ Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, 
 (hint + turn), N tokens of the flagged turn, V vocab.
 
 loss = (RL sum + λ · feedback sum) / RL count: both sums reduced the policy objective's way
-(`objectives.on_objective_scale`), so λ is an exchange rate (notes/rl.md §5; the earlier "each term over its
+(`objectives.on_objective_scale`), so λ is an exchange rate (the earlier "each term over its
 own count" made one flagged token weigh ~312·λ RL tokens and the feedback gradient 23-460x the RL one).
 - RL: `policy_loss(logp, sg(logp), adv, mask, objective, sampler_logp)` — one update per batch, so π_old
   is the trainer's own recompute (ratio 1, clip fraction 0) and the sampler/trainer mismatch is corrected
@@ -144,9 +144,9 @@ def feedback_advantages(
   clipped to [−clip, clip] per token, 0 elsewhere, [B, T] aligned with tokens.
 
   The sampled-token form of the reverse KL's gradient (E_y~p[sg(log p − log q)·∇log p] = ∇KL(p‖q),
-  notes/rl.md §1; on-policy distillation's Â = A − λ(log p − log q)): as an advantage it shares the RL
-  loss's normaliser and clip, so λ is an exchange rate. It only pushes the sampled token: it cannot
-  raise a token the student never samples (at p(y) ≈ 1, ∇log p(y) ≈ 0)."""
+  the score-function identity; on-policy distillation's Â = A − λ(log p − log q)): as an advantage it
+  shares the RL loss's normaliser and clip, so λ is an exchange rate. It only pushes the sampled token:
+  it cannot raise a token the student never samples (at p(y) ≈ 1, ∇log p(y) ≈ 0)."""
   rows_F1, tok_FN = batch["fb_rows"][:, None], batch["fb_cols"] + 1
   y_FN = batch["tokens"][rows_F1, tok_FN]
   logq_FN = jnp.take_along_axis(jax.nn.log_softmax(t_logits_FNV.astype(jnp.float32), -1), y_FN[..., None], -1)

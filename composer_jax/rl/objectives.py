@@ -5,7 +5,7 @@ Shape suffixes: B batch (rollouts), T time (response tokens), G groups.
 Every loss returns `(sum, count)`: the objective's numerator and its normaliser, both float32
 scalars. Summing both over micro-batches and dividing once gives exactly the full batch's value, so
 gradient accumulation never averages per-micro-batch means. The normaliser is what distinguishes
-the objectives (notes/rl.md §3):
+the objectives (GRPO arXiv 2402.03300, Dr.GRPO 2503.20783, DAPO 2503.14476):
 
 | objective | per-token term                           | sum                          | count          |
 |-----------|------------------------------------------|------------------------------|----------------|
@@ -241,7 +241,7 @@ def on_objective_scale(
   the same count for the same mask: adding the sums and dividing once by that count puts an extra
   per-token term (the feedback divergence) on the policy objective's own scale, so its weight λ is an
   exchange rate (one nat of divergence on a token ≈ one unit of advantage on it), not a ratio of
-  two differently normalised means (notes/rl.md §5, measured correction)."""
+  two differently normalised means (benchmarks/RESULTS.md, issue 13)."""
   o, _, _ = _objective(objective, None, None)
   chex.assert_equal_shape([values_BT, mask_BT])
   m_BT = mask_BT > 0

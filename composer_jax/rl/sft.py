@@ -3,7 +3,7 @@
 Shape suffixes: B batch, T time, V vocab.
 
 Without a warm-up a tiny model cannot produce a tool call, RL gets no reward and the hinted teacher
-equals the student (notes/rl.md §6: "RL refines, SFT teaches"). The corpus is `toy.demonstrations`:
+equals the student: RL refines what SFT teaches. The corpus is `toy.demonstrations`:
 correct calls (loss mask 1) and wrong calls followed by the error and a hint (mask 0: seen, not taught),
 so after SFT the model can follow a hint placed before a turn -- the position the feedback teacher uses.
 

@@ -11,7 +11,7 @@ prod → mul): a prompt that documents `sum` has stale docs, and the environment
 The error names the failure ("unknown tool 'sum'") but not the fix, so a model that follows the docs
 cannot recover; the detector's hint states the rule ("Note: the tool sum was renamed to add."). A
 rule shared across episodes can be distilled into the policy; a per-episode secret could not
-(notes/rl.md §1). A wrong call costs `invalid_penalty`, and the episode ends at the first one
+A wrong call costs `invalid_penalty`, and the episode ends at the first one
 (`max_errors`): with retries the SFT model sometimes tried the current name after the error (12 % of
 stale episodes), which RL alone then reinforced -- the hint carried nothing RL could not find. Without
 them the student's first call is the only chance, and it names the documented tool (valid rate 0.001

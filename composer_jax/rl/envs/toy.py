@@ -1,4 +1,4 @@
-"""Toy multi-turn arithmetic through tools, learnable by a tiny byte-level model on CPU (notes/rl.md §6).
+"""Toy multi-turn arithmetic through tools, learnable by a tiny byte-level model on CPU.
 
   user: Compute (3+4)*5
   assistant: <|tool_call|>add 3 4<|/tool_call|>     tool: 7
