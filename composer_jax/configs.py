@@ -254,9 +254,7 @@ class RLConfig:
   max_turn_tokens: int = 16  # sampled tokens per assistant turn (a call is at most ~12)
   cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
   batch_min_len: int = 256  # a step's batch is padded to a power of two ≥ this: fewer shapes to compile
-  # "byte" (the small model's byte-level ids) or a checkpoint directory whose tokenizer.json has the chat
-  # format's special tokens (`init_from` sets it; `rl.chat.tokenizer`)
-  tokenizer: str = "byte"
+  tokenizer: str = "byte"  # or a checkpoint dir with the chat tokens (init_from sets it; rl.chat.tokenizer)
   # bookkeeping
   seed: int = 0
   log_every: int = 1
@@ -326,10 +324,8 @@ class Config:
   stages: str = "pretrain,synth,sft,gate,rl"  # comma-separated, run in order; a rerun skips finished ones
   force: str = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs moved aside
   workdir: str | None = None  # None: run.py's --workdir, else runs/<variant>
-  # A Hugging Face DeepseekV3 / Kimi-K2 checkpoint directory (config.json + safetensors): its architecture
-  # replaces model's shapes (model's how-to-compute fields stay), every stage starts from its weights (sft,
-  # gate and rl train it as it is, instead of rl.model), and its tokenizer.json, when present, is the data
-  # and chat tokenizer (data.tokenizer, rl.tokenizer).
+  # An HF DeepseekV3/Kimi-K2 checkpoint dir: its config.json sets model's shapes, every stage starts from its
+  # weights (sft, gate, rl train it instead of rl.model), its tokenizer.json is data and rl.tokenizer.
   init_from: str | None = None
   mesh: MeshConfig = MeshConfig()
   model: ModelConfig = ModelConfig()
