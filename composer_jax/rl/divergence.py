@@ -16,6 +16,7 @@ TRL's `generalized_jsd_loss`, the endpoints are defined as the limiting directio
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -99,18 +100,12 @@ def token_divergence(
 
 
 def feedback_loss(
-  student_logits: jax.Array,
-  teacher_logits: jax.Array,
-  mask: jax.Array,
-  *,
-  kind: str = "reverse_kl",
-  top_k: int | None = None,
-  beta: float = 0.5,
-  clip: float | None = None,
+  student_logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array, **options: Any
 ) -> tuple[jax.Array, jax.Array]:
-  """(Σ_t mask_t·D(P_S,t, P_T,t), Σ_t mask_t): `token_divergence` summed, with its token count.
+  """(Σ_t mask_t·D(P_S,t, P_T,t), Σ_t mask_t): `token_divergence` summed, with its token count;
+  `options` are `token_divergence`'s (kind, top_k, beta, clip).
 
   The count is for reporting; the RL step puts the sum on the policy objective's normaliser
   (`rl.loss.rl_loss`), never on its own count (that made one flagged token weigh ~300 RL tokens)."""
-  d_BT = token_divergence(student_logits, teacher_logits, mask, kind=kind, top_k=top_k, beta=beta, clip=clip)
+  d_BT = token_divergence(student_logits, teacher_logits, mask, **options)
   return jnp.sum(d_BT), jnp.sum(mask > 0).astype(jnp.float32)

@@ -30,7 +30,7 @@ import random
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.rl import chat, feedback
 from composer_jax.rl.envs import Step
-from composer_jax.rl.envs.toy import Problem, make_problem
+from composer_jax.rl.envs.toy import ArithmeticEpisode, Problem, add_demo_call, make_problem
 
 NAMES = {"add": ("add", "plus", "sum"), "mul": ("mul", "times", "prod")}  # per operation, SFT pools
 RENAMED = (("sum", "add"), ("prod", "mul"))  # the shared rule of this environment: retired -> current
@@ -63,20 +63,13 @@ def _int(s: str) -> int | None:
   return int(s) if s.lstrip("-").isdigit() and len(s) <= 12 else None
 
 
-class StaleEnv:
+class StaleEnv(ArithmeticEpisode):
   """One problem per `reset(seed)`; the documented and accepted names are a pure function of the seed."""
 
   def __init__(self, cfg: StaleConfig = StaleConfig()):
-    self.cfg = cfg
-    self.problem: Problem | None = None
+    super().__init__(cfg)
     self.docs: dict[str, str] = {}  # op -> documented name
     self.accepts: dict[str, str] = {}  # accepted name -> op ("answer" -> "answer")
-    self.answered: int | None = None
-    self.invalid = 0
-
-  @property
-  def max_turns(self) -> int:
-    return self.cfg.max_turns
 
   def info(self) -> dict:
     """Accepted tools, the shared rename rule, the kinds to detect, and decoys (accepted name -> a pool
@@ -137,10 +130,6 @@ class StaleEnv:
       self.answered = nums[0]
       return Step("", True)
     return Step(str(nums[0] + nums[1] if op == "add" else nums[0] * nums[1]), False)
-
-  def reward(self) -> float:
-    correct = self.problem is not None and self.answered == self.problem.target
-    return float(correct) - self.cfg.invalid_penalty * self.invalid
 
 
 def _toy_cfg(cfg: StaleConfig):
@@ -238,9 +227,7 @@ def demonstrations(
         traj.add_message(chat.USER, feedback.rename_hint(docs[op], names[op]), tok)
       elif i == j and kind == "null_note":
         traj.add_message(chat.USER, feedback.NULL_NOTE, tok)
-      traj.add_assistant_turn(chat.assistant_ids(call=call, tok=tok), None, tok)
-      if result is not None:
-        traj.add_message(chat.TOOL, result, tok)
+      add_demo_call(traj, call, result, tok)
     traj.reward = 1.0
     out.append(traj)
   return out

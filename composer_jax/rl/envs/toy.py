@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.rl import chat, feedback
@@ -60,8 +61,11 @@ def make_problem(seed: int, cfg: ToyConfig = ToyConfig()) -> Problem:
   return Problem(f"Compute {expr}", tuple(steps), acc)
 
 
-class ToyEnv:
-  def __init__(self, cfg: ToyConfig = ToyConfig()):
+class ArithmeticEpisode:
+  """What the arithmetic environments share: a problem, the answer given, the invalid calls so far, and
+  the reward (1 for the right answer, minus `cfg.invalid_penalty` per invalid call)."""
+
+  def __init__(self, cfg: Any):
     self.cfg = cfg
     self.problem: Problem | None = None
     self.answered: int | None = None
@@ -70,6 +74,15 @@ class ToyEnv:
   @property
   def max_turns(self) -> int:
     return self.cfg.max_turns
+
+  def reward(self) -> float:
+    correct = self.problem is not None and self.answered == self.problem.target
+    return float(correct) - self.cfg.invalid_penalty * self.invalid
+
+
+class ToyEnv(ArithmeticEpisode):
+  def __init__(self, cfg: ToyConfig = ToyConfig()):
+    super().__init__(cfg)
 
   def info(self) -> dict:
     return {"tools": TOOLS, "example": "add 3 4", "arity": (("add", 2), ("mul", 2), ("answer", 1))}
@@ -92,10 +105,6 @@ class ToyEnv:
       self.answered = int(call.args[0])  # type: ignore[union-attr]
     return Step(obs, done)
 
-  def reward(self) -> float:
-    correct = self.problem is not None and self.answered == self.problem.target
-    return float(correct) - self.cfg.invalid_penalty * self.invalid
-
 
 def _int(s: str) -> int | None:
   return int(s) if s.lstrip("-").isdigit() and len(s) <= 12 else None
@@ -117,6 +126,13 @@ def observe(call: chat.ToolCall | chat.ParseError) -> tuple[str, bool]:
   if call.name == "answer":
     return "", True
   return str(_FN[call.name](*nums)), False
+
+
+def add_demo_call(traj: chat.Trajectory, call: tuple[str, ...], result: str | None, tok: Tokenizer) -> None:
+  """A demonstration's correct call (loss mask 1) and, unless it ends the episode, the tool's result."""
+  traj.add_assistant_turn(chat.assistant_ids(call=call, tok=tok), None, tok)
+  if result is not None:
+    traj.add_message(chat.TOOL, result, tok)
 
 
 def demonstrations(
@@ -160,9 +176,7 @@ def demonstrations(
       if j == clean_hint_at:
         traj.add_message(chat.USER, hint, tok)
         traj.info["hinted"] = True
-      traj.add_assistant_turn(chat.assistant_ids(call=call, tok=tok), None, tok)
-      if result is not None:
-        traj.add_message(chat.TOOL, result, tok)
+      add_demo_call(traj, call, result, tok)
     traj.reward = 1.0
     out.append(traj)
   return out
