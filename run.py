@@ -50,8 +50,12 @@ _DEFAULT_CONFIG = "experiments/composer25.py"
 
 
 def _fail(message: str, status: int = 2) -> None:
+  """One line, then exit at once: whatever a stage had to save is saved by the time its error reaches
+  here, and an interpreter teardown would only add third-party noise (never-awaited coroutines of a failed
+  async save, closed event loops) after the line the user should read last."""
   print(f"run.py: {message}", file=sys.stderr, flush=True)
-  sys.exit(status)
+  sys.stdout.flush()
+  os._exit(status)
 
 
 def _config_problem(e: BaseException) -> str:

@@ -13,6 +13,7 @@ import contextlib
 import logging as std_logging
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 
 from absl import logging
@@ -60,6 +61,7 @@ def quiet_teardown() -> None:
   """Drops the noise third-party threads print while a failed save is torn down (tensorstore callbacks
   into orbax's closed event loop, asyncio's unretrieved futures), so a failure ends in the run's one line."""
   std_logging.getLogger("asyncio").addFilter(lambda r: not _teardown_noise(r))
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
   previous = sys.unraisablehook  # tensorstore reports its failed callbacks as unraisable
 
   def hook(unraisable):
