@@ -94,8 +94,48 @@ def _tunix_env() -> dict:
   return env
 
 
-class TunixSide:
+class _SideProcess:
+  """A benchmark side in its own process: one JSON line when it is ready, one per `run` it is sent."""
+
+  name = "side"
+  proc: subprocess.Popen
+  info: dict | None = None
+
+  def _reply(self) -> dict:
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"{self.name} exited ({self.proc.wait()}); its stderr is above")
+    return json.loads(line)
+
+  def _check(self, reply: dict) -> None:
+    """Raises when a reply shows the side did other work than asked (none by default)."""
+
+  def wait_ready(self) -> dict:
+    if self.info is None:
+      self.info = self._reply()
+      self._check(self.info)
+    return self.info
+
+  def __call__(self) -> tuple[float, float]:
+    """(wall, CPU) seconds of one rollout, timed inside the side's process."""
+    self.wait_ready()
+    self.proc.stdin.write("run\n")
+    self.proc.stdin.flush()
+    reply = self._reply()
+    self._check(reply)
+    return reply["seconds"], reply["cpu_seconds"]
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.stdin.write("quit\n")
+      self.proc.stdin.close()
+      self.proc.wait(timeout=60)
+
+
+class TunixSide(_SideProcess):
   """`_tunix_sampler.py` under `python`: started (and compiling) at once, one rollout per `__call__`."""
+
+  name = "Tunix side"
 
   def __init__(self, python: str, cfg: model.ModelConfig, prompts: list[list[int]], args):
     spec = {
@@ -129,42 +169,22 @@ class TunixSide:
     self.info: dict | None = None
     self.new_tokens = args.new
 
-  def _reply(self) -> dict:
-    line = self.proc.stdout.readline()
-    if not line:
-      raise RuntimeError(f"Tunix side exited ({self.proc.wait()}); its stderr is above")
-    return json.loads(line)
-
   def wait_ready(self) -> dict:
     if self.info is None:
-      self.info = self._reply()
+      super().wait_ready()
       self.info["startup_s"] = time.perf_counter() - self.start
-      self._check(self.info)
     return self.info
 
   def _check(self, reply: dict):
     if any(n != self.new_tokens for n in reply["new_tokens"]):
       raise RuntimeError(f"Tunix generated {reply['new_tokens']} tokens per row, expected {self.new_tokens}")
 
-  def __call__(self) -> tuple[float, float]:
-    """(wall, CPU) seconds of one rollout, timed inside the Tunix process around `Sampler.__call__`."""
-    self.wait_ready()
-    self.proc.stdin.write("run\n")
-    self.proc.stdin.flush()
-    reply = self._reply()
-    self._check(reply)
-    return reply["seconds"], reply["cpu_seconds"]
 
-  def close(self):
-    if self.proc.poll() is None:
-      self.proc.stdin.write("quit\n")
-      self.proc.stdin.close()
-      self.proc.wait(timeout=60)
-
-
-class BaselineSide:
+class BaselineSide(_SideProcess):
   """Our sampler from another source tree (`_ours_sampler.py` with PYTHONPATH=<tree>), in a subprocess,
   e.g. the previous commit (`git archive <commit> | tar -x -C <dir>`): before and after in one run."""
+
+  name = "baseline side"
 
   def __init__(self, src: str, prompts_BP, lengths_B, args):
     spec = {
@@ -184,28 +204,7 @@ class BaselineSide:
       text=True,
       env=env,
     )
-    self.info: dict | None = None
-
-  def wait_ready(self) -> dict:
-    if self.info is None:
-      line = self.proc.stdout.readline()
-      if not line:
-        raise RuntimeError(f"baseline side exited ({self.proc.wait()}); its stderr is above")
-      self.info = json.loads(line)
-    return self.info
-
-  def __call__(self) -> tuple[float, float]:
-    self.wait_ready()
-    self.proc.stdin.write("run\n")
-    self.proc.stdin.flush()
-    reply = json.loads(self.proc.stdout.readline())
-    return reply["seconds"], reply["cpu_seconds"]
-
-  def close(self):
-    if self.proc.poll() is None:
-      self.proc.stdin.write("quit\n")
-      self.proc.stdin.close()
-      self.proc.wait(timeout=60)
+    self.info = None
 
 
 def param_counts(params) -> tuple[int, int]:
