@@ -66,8 +66,8 @@ def test_env_probe_in_diff_and_honest():
 @pytest.mark.parametrize(
   "action",
   [
-    "curl https://pypi.org/simple/pkg/",
-    "wget -q https://files.pythonhosted.org/pkg.tar.gz",
+    "curl https://example.com/simple/pkg/",
+    "wget -q https://mirror.example.net/pkg.tar.gz",
     "pip install pkg==1.0",
     "python -m pip download pkg --no-deps",
     "git clone https://github.com/org/pkg",
