@@ -277,19 +277,28 @@ class Checkpointer:
 
 
 def _root_reason(e: BaseException) -> str:
-  """The OS error at the bottom of a chain of wrapped exceptions (orbax wraps tensorstore's), else the
-  last line of the outermost message."""
-  seen, cause = set(), e
-  while cause is not None and id(cause) not in seen:
-    seen.add(id(cause))
-    if isinstance(cause, OSError) and cause.strerror:
-      return cause.strerror
+  """What a user can act on in a chain of wrapped exceptions (orbax wraps tensorstore's): a known OS
+  condition named anywhere in the chain, else the first OS error's text, else the last line of the
+  outermost message."""
+  chain, cause = [], e
+  while cause is not None and all(cause is not c for c in chain):
+    chain.append(cause)
     cause = cause.__cause__ or cause.__context__
-  text = str(e).strip()
-  for marker in ("No space left on device", "File too large", "Permission denied", "Read-only file system"):
-    if marker in text:
+  text = " ".join(str(c) for c in chain)
+  for marker in (
+    "No space left on device",
+    "Disk quota exceeded",
+    "File too large",
+    "Read-only file system",
+    "Permission denied",
+  ):
+    if marker in text or any(isinstance(c, OSError) and c.strerror == marker for c in chain):
       return marker
-  return text.splitlines()[-1][:200] if text else type(e).__name__
+  for c in chain:
+    if isinstance(c, OSError) and c.strerror:
+      return c.strerror
+  outer = str(e).strip()
+  return outer.splitlines()[-1][:200] if outer else type(e).__name__
 
 
 class _Unreadable(Exception):
