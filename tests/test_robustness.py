@@ -18,6 +18,7 @@ import time
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tiny
 
 from composer_jax.synth import sandbox
 
@@ -27,20 +28,7 @@ _CONFIG = "--config=tests/small_experiment.py"
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> str:
-  """Six train files and two validation files of Python-looking text (as tests/test_train.py)."""
-  from composer_jax.data import corpus
-
-  root = tmp_path_factory.mktemp("src")
-  want, i = {"train": 6, "validation": 2}, 0
-  rng = np.random.default_rng(0)
-  while any(want.values()):
-    name, i = f"mod_{i}.py", i + 1
-    split = corpus.split_of(name)
-    if want[split]:
-      want[split] -= 1
-      body = "".join(f"def f{j}(x):\n  return x * {int(rng.integers(10))}\n\n" for j in range(20))
-      (root / name).write_text(f'"""Module {name}."""\n\n' + body)
-  return str(root)
+  return tiny.write_corpus(tmp_path_factory.mktemp("src"))
 
 
 def _cmd(workdir: pathlib.Path, corpus_dir: str, *extra: str) -> list[str]:

@@ -18,10 +18,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import tiny
 from tiny import TINY
 
 from composer_jax import model, pipeline, train
-from composer_jax.data import corpus
 from composer_jax.train import checkpoint
 from composer_jax.train import pretrain as pt
 
@@ -38,18 +38,7 @@ def _experiment():
 
 @pytest.fixture(scope="module")
 def src_dir(tmp_path_factory) -> str:
-  """Six train files and two validation files of Python-looking text (the split hashes the path)."""
-  root = tmp_path_factory.mktemp("src")
-  want, i = {"train": 6, "validation": 2}, 0
-  rng = np.random.default_rng(0)
-  while any(want.values()):
-    name, i = f"mod_{i}.py", i + 1
-    split = corpus.split_of(name)
-    if want[split]:
-      want[split] -= 1
-      body = "".join(f"def f{j}(x):\n  return x * {int(rng.integers(10))}\n\n" for j in range(20))
-      (root / name).write_text(f'"""Module {name}."""\n\n' + body)
-  return str(root)
+  return tiny.write_corpus(tmp_path_factory.mktemp("src"))
 
 
 def _config(src_dir: str, steps: int, **optim) -> ml_collections.ConfigDict:

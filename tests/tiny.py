@@ -1,5 +1,9 @@
 """The tiny model configuration shared by the model and sharding tests (one compile each)."""
 
+import pathlib
+
+import numpy as np
+
 from composer_jax.model import ModelConfig, RopeConfig
 
 # capacity_factor = n_experts: every expert has a slot per assignment (capacity path and EP send
@@ -27,3 +31,20 @@ TINY = ModelConfig(
   capacity_factor=8.0,
   rope=RopeConfig(kind="yarn", factor=4.0, original_max_position=16, mscale=1.0, mscale_all_dim=1.0),
 )
+
+
+def write_corpus(root: pathlib.Path) -> str:
+  """Six train files and two validation files of Python-looking text under `root` (the split hashes the
+  path), for the tests that build the pretraining corpus."""
+  from composer_jax.data import corpus
+
+  want, i = {"train": 6, "validation": 2}, 0
+  rng = np.random.default_rng(0)
+  while any(want.values()):
+    name, i = f"mod_{i}.py", i + 1
+    split = corpus.split_of(name)
+    if want[split]:
+      want[split] -= 1
+      body = "".join(f"def f{j}(x):\n  return x * {int(rng.integers(10))}\n\n" for j in range(20))
+      (root / name).write_text(f'"""Module {name}."""\n\n' + body)
+  return str(root)

@@ -164,6 +164,8 @@ class HFTokenizer:
     self.eos_id = self._named(conf, "eos_token", "<|eos|>", "</s>", "<|endoftext|>")
     self.bos_id = self._named(conf, "bos_token", "<|bos|>", "<s>", default=self.eos_id)
     self.pad_id = self._named(conf, "pad_token", "<|pad|>", "<pad>", default=self.eos_id)
+    named = (self._tok.token_to_id(s) for s in SPECIAL_TOKENS)
+    self._special_set = {i for i in named if i is not None} | {self.eos_id, self.bos_id, self.pad_id}
 
   def _named(self, conf: dict, key: str, *fallbacks: str, default: int | None = None) -> int:
     token = conf.get(key)
@@ -192,9 +194,6 @@ class HFTokenizer:
     return [t for t in tokens if self._tok.token_to_id(t) is None]
 
   def is_special(self, token_id: int) -> bool:
-    if not hasattr(self, "_special_set"):
-      named = (self._tok.token_to_id(s) for s in SPECIAL_TOKENS)
-      self._special_set = {i for i in named if i is not None} | {self.eos_id, self.bos_id, self.pad_id}
     return token_id in self._special_set
 
 
