@@ -392,7 +392,7 @@ def rl_model(config: Config) -> ModelConfig:
 
 # ModelConfig fields that say how to compute, not what: kept from `model` when `init_from` sets the shapes.
 _COMPUTE_FIELDS = ("dtype", "param_dtype", "expert_impl", "expert_block", "capacity_factor", "dispatch")
-_COMPUTE_FIELDS += ("router_aux_loss_coef", "remat", "init_std")
+_COMPUTE_FIELDS += ("router_aux_loss_coef", "remat", "init_std", "context_load_balance")
 
 
 def resolve(config: Config) -> Config:

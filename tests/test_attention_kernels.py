@@ -16,7 +16,7 @@ import pytest
 from test_model import random_params
 from tiny import TINY
 
-from composer_jax import model
+from composer_jax import model, sharding
 from composer_jax.model import attention_kernels
 
 B, T = 2, 16
@@ -61,17 +61,34 @@ def test_chunked_max_logits_matches_the_materialised_scores():
   np.testing.assert_allclose(got_H, want_H, rtol=1e-6)
 
 
-def _kernel_matches_xla(impl: str, **kw):
+def _qkv_rows(T: int, B: int = B):
+  """Random q, k [B, T, 2, 64], v [B, T, 2, 32] and two documents per row (segments 1 and 2)."""
   rng = np.random.default_rng(6)
-  q, k = (rng.standard_normal((B, 128, 2, 64)).astype(np.float32) for _ in range(2))
-  v = rng.standard_normal((B, 128, 2, 32)).astype(np.float32)
-  pos_BT = np.broadcast_to(np.arange(128, dtype=np.int32), (B, 128))
-  seg_BT = np.ones((B, 128), np.int32)
-  args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0.125, pos_BT, pos_BT, seg_BT, seg_BT)
-  out, max_H = attention_kernels.attention(impl, *args, **kw)
-  want, want_max_H = attention_kernels.xla(*args)
+  q, k = (jnp.asarray(rng.standard_normal((B, T, 2, 64)).astype(np.float32)) for _ in range(2))
+  v = jnp.asarray(rng.standard_normal((B, T, 2, 32)).astype(np.float32))
+  seg_BT = np.repeat(np.array([1, 2], np.int32), [T // 3, T - T // 3])[None].repeat(B, 0)
+  pos_BT = np.concatenate([np.arange(T // 3), np.arange(T - T // 3)])[None].repeat(B, 0).astype(np.int32)
+  return q, k, v, pos_BT, seg_BT
+
+
+def _kernel_matches_xla(impl: str, T: int = 128, rows: int = B, **kw):
+  """Output, per-head max logits and the gradients of q, k, v against the "xla" kernel on packed rows."""
+  q, k, v, pos_BT, seg_BT = _qkv_rows(T, rows)
+  cot = jnp.asarray(np.random.default_rng(7).standard_normal(v.shape).astype(np.float32))
+
+  def run(kernel):
+    def loss(q, k, v):
+      out, max_H = kernel(q, k, v, 0.125, pos_BT, pos_BT, seg_BT, seg_BT)
+      return jnp.sum(out * cot), (out, max_H)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+  (_, (out, max_H)), grads = run(lambda *a: attention_kernels.attention(impl, *a, **kw))
+  (_, (want, want_max_H)), want_grads = run(attention_kernels.xla)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-3, atol=2e-3)
   np.testing.assert_allclose(np.asarray(max_H), np.asarray(want_max_H), rtol=2e-3, atol=2e-3)
+  for got, expected in zip(grads, want_grads, strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-3, atol=2e-3)
 
 
 def test_cudnn_kernel_matches_xla():
@@ -80,6 +97,25 @@ def test_cudnn_kernel_matches_xla():
   _kernel_matches_xla("cudnn")
 
 
-def test_splash_kernel_matches_xla_in_interpret_mode():
+def _interpret() -> bool:
   pytest.importorskip("tokamax", reason="splash attention comes from tokamax, which is not installed")
-  _kernel_matches_xla("splash", interpret=jax.devices()[0].platform != "tpu")
+  return jax.devices()[0].platform != "tpu"
+
+
+def test_splash_kernel_matches_xla_in_interpret_mode():
+  _kernel_matches_xla("splash", interpret=_interpret())
+
+
+def test_splash_kernel_with_context_parallelism_matches_xla(meshes):
+  """Queries split over the context axis inside shard_map: each shard masks by its rows' global indices."""
+  layout = sharding.attention_layout(meshes)
+  assert layout.size(layout.seq) == 2
+  _kernel_matches_xla("splash", T=256, rows=layout.size(layout.batch), layout=layout, interpret=_interpret())
+
+
+def test_splash_refuses_shapes_it_cannot_block():
+  """T = 64 (or 128 split over 2 context shards) is no whole number of 128-row blocks."""
+  assert attention_kernels.splash_fits(256, 256) and not attention_kernels.splash_fits(64, 64)
+  q, k, v, pos_BT, seg_BT = _qkv_rows(64)
+  with pytest.raises(ValueError, match="128-row blocks"):
+    attention_kernels.splash(q, k, v, 0.125, pos_BT, pos_BT, seg_BT, seg_BT, interpret=True)

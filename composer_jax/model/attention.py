@@ -112,12 +112,13 @@ class MLA(nnx.Module):
     q_rope = apply_rope(q_BTHK[..., cfg.qk_nope_head_dim :], cos_BTR, sin_BTR, cfg.rope_interleave)
     return jnp.concatenate([q_BTHK[..., : cfg.qk_nope_head_dim], q_rope], axis=-1)
 
-  def __call__(self, x_BTD, cos_BTR, sin_BTR, q_pos_BT, q_seg_BT, *, cache=None, meshes=None):
+  def __call__(self, x_BTD, cos_BTR, sin_BTR, q_pos_BT, q_seg_BT, *, cache=None, meshes=None, balanced=False):
     """Attention output [B, T, D], the updated cache and the per-head max logit [H].
 
     `cache` = (latent_LBSC, k_rope_LBSR, layer, index, k_pos_BS, k_seg_BS): the latent cache of all
     layers, this layer's index in it, the slot where x's tokens go, and the positions/segments of all
     slots (already including x's); returned updated in place. Without a cache, x attends within itself.
+    `balanced`: x's sequence is in `sharding.balance_sequence` order over the context shards (no cache).
     """
     cfg = self.cfg
     # Per-head activations keep the token layout (batch over replica·fsdp, seq over context).
@@ -126,8 +127,14 @@ class MLA(nnx.Module):
     )
     latent_BTC, k_rope_BTR = self.latent(x_BTD, cos_BTR, sin_BTR)
     impl = backend.attention_impl(cfg.attention_impl, meshes)
+    layout = None if meshes is None else sharding.attention_layout(meshes)
+    T = q_BTHK.shape[1]
+    if impl == "splash" and cfg.attention_impl == "auto" and not attention_kernels.splash_fits(T, T, layout):
+      impl = "xla"  # "auto" picks the fused kernel only for shapes it takes
     if cache is None and impl != "absorbed":
-      out_BTHV, max_logit_H = self._expanded(q_BTHK, latent_BTC, k_rope_BTR, q_pos_BT, q_seg_BT, impl, meshes)
+      out_BTHV, max_logit_H = self._expanded(
+        q_BTHK, latent_BTC, k_rope_BTR, q_pos_BT, q_seg_BT, impl, meshes, balanced
+      )
       new_cache = None
     else:
       out_BTHV, max_logit_H, new_cache = self._absorbed(
@@ -139,11 +146,22 @@ class MLA(nnx.Module):
     n = self.cfg.qk_nope_head_dim
     return self.kv_b_proj[...][..., :n], self.kv_b_proj[...][..., n:]
 
-  def _expanded(self, q_BTHK, latent_BSC, k_rope_BSR, pos_BT, seg_BT, impl, meshes):
-    """Per-head K [N + R] and V from the latent (gathered whole along the sequence first), then `impl`."""
+  def _expanded(self, q_BTHK, latent_BSC, k_rope_BSR, pos_BT, seg_BT, impl, meshes, balanced):
+    """Per-head K [N + R] and V from the latent (gathered whole along the sequence first), then `impl`.
+
+    With `balanced` queries the gathered latent, rope keys, positions and segments are put back in
+    natural order (a local reorder of whole arrays): the kernels see permuted query rows against keys
+    in index order, the layout the splash mask is built for (`attention_kernels._splash_kernel`)."""
     cfg = self.cfg
     latent_BSC = sharding.constrain(latent_BSC, ("batch", None, None), meshes)
     k_rope_BSR = sharding.constrain(k_rope_BSR, ("batch", None, None), meshes)
+    k_pos_BS = sharding.constrain(pos_BT, ("batch", None), meshes)
+    k_seg_BS = sharding.constrain(seg_BT, ("batch", None), meshes)
+    if balanced:
+      shards = sharding.degrees(meshes).seq
+      latent_BSC, k_rope_BSR, k_pos_BS, k_seg_BS = (
+        sharding.restore_sequence(a, shards) for a in (latent_BSC, k_rope_BSR, k_pos_BS, k_seg_BS)
+      )
     w_k_CHN, w_v_CHV = self._kv_weights()
     k_nope_BSHN = project("bsc,chn->bshn", latent_BSC, w_k_CHN, cfg.dtype)
     v_BSHV = project("bsc,chv->bshv", latent_BSC, w_v_CHV, cfg.dtype)
@@ -152,9 +170,8 @@ class MLA(nnx.Module):
       k_rope_BSR.astype(k_nope_BSHN.dtype)[:, :, None, :], (B, S, H, k_rope_BSR.shape[-1])
     )
     k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
-    k_pos_BS = sharding.constrain(pos_BT, ("batch", None), meshes)
-    k_seg_BS = sharding.constrain(seg_BT, ("batch", None), meshes)
-    kw = {"layout": sharding.attention_layout(meshes)} if impl == "splash" and meshes is not None else {}
+    splash = impl == "splash" and meshes is not None
+    kw = {"layout": sharding.attention_layout(meshes, balanced)} if splash else {}
     args = (q_BTHK.astype(cfg.dtype), k_BSHK, v_BSHV, cfg.softmax_scale, pos_BT, k_pos_BS, seg_BT, k_seg_BS)
     return attention_kernels.attention(impl, *args, **kw)
 

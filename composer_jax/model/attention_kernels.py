@@ -14,7 +14,8 @@ platform:
 - "splash": tokamax's splash attention (Pallas TPU kernel, block-sparse causal mask, segment ids), which
   also returns each query row's max logit; `interpret=True` runs it on CPU (tests).
 The fused kernels mask by *index* order (causal) and segment ids; that equals the position rule when
-positions increase along every segment, as in packed training rows (the tests check both agree).
+positions increase along every segment, as in packed training rows (the tests check both agree). With
+context load balancing (`layout.balanced`) splash's causal mask reads each query row's natural index.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from composer_jax import sharding
 
 _MASKED = -1e30  # finite, so a query with no visible key (padding) gives zeros, not NaN
 _MAX_LOGIT_CHUNK = 512  # query rows per step of `chunked_max_logits`
@@ -77,27 +80,54 @@ def cudnn(q_BTHK, k_BSHK, v_BSHV, scale, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
   return out_BTHK[..., :V], max_logit_H
 
 
+SPLASH_BLOCK = 128  # query and key rows per kernel block: the TPU's lanes (the backward kernel needs it)
+
+
+def splash_fits(t: int, s: int, layout=None) -> bool:
+  """Whether splash takes T queries and S keys: each query shard (`layout`'s context split) and the keys
+  cut into whole `SPLASH_BLOCK`-row blocks."""
+  q_shards = 1 if layout is None else layout.size(layout.seq)
+  return t % (q_shards * SPLASH_BLOCK) == 0 and s % SPLASH_BLOCK == 0
+
+
 @functools.lru_cache(maxsize=16)
-def _splash_kernel(heads: int, t: int, s: int, q_shards: int, interpret: bool):
-  """tokamax's splash MHA for a causal [T, S] mask, its queries split in `q_shards` (context
-  parallelism); built once per shape, the mask being static."""
+def _splash_kernel(t: int, s: int, q_shards: int, interpret: bool, balanced: bool = False):
+  """tokamax's splash MHA for a causal [T, S] mask (one mask for every head), its queries split in
+  `q_shards` (context parallelism); built once per shape, the mask being static. `balanced`: the queries
+  in the load-balanced order (`_causal_mask`)."""
   kernel = importlib.import_module(
     "tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_kernel"
   )
   masks = importlib.import_module("tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask")
-  bq, bkv = min(128, t // q_shards), min(128, s)
+  b = SPLASH_BLOCK
   config = kernel.SplashConfig(
-    block_q=bq,
-    block_kv=bkv,
-    block_kv_compute=bkv,
-    block_q_dkv=bq,
-    block_kv_dkv=bkv,
-    block_kv_dkv_compute=bkv,
+    block_q=b,
+    block_kv=b,
+    block_kv_compute=b,
+    block_q_dkv=b,
+    block_kv_dkv=b,
+    block_kv_dkv_compute=b,
     use_base2_exp=False,
+    # dq summed over 3 partial buffers in the input dtype; the default keeps one fp32 dq per key block
+    # ([S/128, H, T, K]: 6.4 GB of temporaries at Kimi's 64 heads and T 4096, XLA:TPU's buffer assignment).
+    dq_reduction_steps=3,
     interpret=interpret,
   )
-  mask = masks.MultiHeadMask([masks.CausalMask((t, s)) for _ in range(heads)])
-  return kernel, kernel.make_splash_mha(mask, config=config, save_residuals=True, q_seq_shards=q_shards)
+  mask = _causal_mask(masks, t, s, q_shards, balanced)  # tokamax 0.0.12: one 2-D mask for all heads
+  # The kernel is cached across traces: its mask info must be constants, never tracers of the first trace.
+  with jax.ensure_compile_time_eval():
+    return kernel, kernel.make_splash_mha(mask, config=config, save_residuals=True, q_seq_shards=q_shards)
+
+
+def _causal_mask(masks, t: int, s: int, q_shards: int, balanced: bool):
+  """tokamax's causal [T, S] mask (`masks`: its mask module). `balanced`: query row j is natural position
+  `sharding.balance_sequence(arange(T), q_shards)[j]` (keys in index order), set as the mask's
+  `q_sequence`, which both the kernel's mask function and its block-sparsity info read (MaxText's
+  load-balanced causal mask does the same)."""
+  causal = masks.CausalMask((t, s))
+  if balanced:
+    causal.q_sequence = sharding.balance_sequence(np.arange(t, dtype=np.int32), q_shards, axis=0)
+  return causal
 
 
 def _splash_rows(module, kernel, q_BTHK, k_BSHK, v_BSHV, q_seg_BT, k_seg_BS):
@@ -118,9 +148,15 @@ def splash(
   """tokamax splash attention. With a `sharding.AttentionLayout`, inside `shard_map` over the dense mesh:
   batch rows split, queries split over the context axis (the kernel's mask info split alike, so each
   shard masks by its rows' global indices), keys and values whole; the max logits reduced over all."""
-  B, T, H, _ = q_BTHK.shape
+  T, S = q_BTHK.shape[1], k_BSHK.shape[1]
+  if not splash_fits(T, S, layout):
+    raise ValueError(
+      f"splash attention cuts each query shard and the keys into {SPLASH_BLOCK}-row blocks: T={T}, S={S} "
+      f"do not split so; attention_impl='xla' takes any shape"
+    )
   q_shards = 1 if layout is None else layout.size(layout.seq)
-  module, kernel = _splash_kernel(H, T, k_BSHK.shape[1], q_shards, interpret)
+  balanced = layout is not None and layout.balanced
+  module, kernel = _splash_kernel(T, S, q_shards, interpret, balanced)
   q_BTHK = q_BTHK * scale  # the kernel computes q·k unscaled
   if layout is None:
     out_BTHV, max_BH = _splash_rows(module, kernel, q_BTHK, k_BSHK, v_BSHV, q_seg_BT, k_seg_BS)
@@ -131,7 +167,8 @@ def splash(
 
   def body(kernel, q, k, v, q_seg, k_seg):
     out, max_bh = _splash_rows(module, kernel, q, k, v, q_seg, k_seg)
-    return out, jax.lax.pmax(jnp.max(max_bh, axis=0), axes)
+    # No gradient flows through the max logits, and pmax has no differentiation rule: stop it first.
+    return out, jax.lax.pmax(jax.lax.stop_gradient(jnp.max(max_bh, axis=0)), axes)
 
   kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(layout.mesh, layout.spec("seq")))
   q_spec, kv_spec = layout.spec("batch", "seq", None, None), layout.spec("batch", None, None, None)

@@ -125,6 +125,14 @@ class ModelConfig:
   remat: Literal["none", "full", "dots", "dots_with_batch"] = "none"
   # Each layer stack runs as one `lax.scan` (compile time independent of depth); False unrolls it.
   scan_layers: bool = True
+  # Causal load balancing over the dense mesh's `context` axis (pretraining): each row cut into 2·context
+  # chunks, context shard i holding chunks i and 2·context−1−i (`sharding.balance_sequence`), so every
+  # shard does the same causal attention work (contiguous, the last shard does 2·context/(context+1)× the
+  # mean at one block per shard, up to (2·context−1)/context with fine blocks). On by default: exact on
+  # "xla" and "absorbed" (masks from positions) and "splash" (its mask over the permuted rows); "cudnn"
+  # masks by index and is refused (`check_context_balance`). Under "capacity" experts, which tokens
+  # overflow depends on their order.
+  context_load_balance: bool = True
 
   def __post_init__(self):
     _check(self)
@@ -286,3 +294,19 @@ def _check(c: ModelConfig) -> None:
     problems.append(f"dtype={c.dtype!r}, param_dtype={c.param_dtype!r}: use 'float32' or 'bfloat16'")
   if problems:
     raise ValueError("Invalid ModelConfig: " + "; ".join(problems) + ".")
+
+
+def check_context_balance(impl: str, context: int, seq_len: int, length_name: str) -> None:
+  """A one-line ValueError for a load-balanced context split that cannot run: the attention kernel
+  `impl` must mask by position (cuDNN's `is_causal` masks by index), and the length must cut into
+  2·context equal chunks."""
+  if impl == "cudnn":
+    raise ValueError(
+      "model.context_load_balance needs attention that masks by position (xla, absorbed, splash), not "
+      "cudnn: set --config.model.context_load_balance=false or another model.attention_impl"
+    )
+  if seq_len % (2 * context):
+    raise ValueError(
+      f"model.context_load_balance cuts each row into 2·context = {2 * context} chunks: {length_name} "
+      f"{seq_len} is not divisible by {2 * context}"
+    )

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from composer_jax import sharding
+from composer_jax import backend, sharding
 from composer_jax.model import rope
 from composer_jax.model.attention import MLA
-from composer_jax.model.config import ModelConfig
+from composer_jax.model.config import ModelConfig, check_context_balance
 from composer_jax.model.layers import MLP, KeyStream, ones, param, project, rms_norm
 from composer_jax.model.moe import MoE
 
@@ -45,9 +45,10 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.dense_mlp_dim, rngs)
     self.eps = cfg.rms_norm_eps
 
-  def __call__(self, x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, routed_experts_BTK=None):
+  def __call__(self, x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, routed_experts_BTK=None, balanced=False):
+    x_norm_BTD = rms_norm(x_BTD, self.input_norm[...], self.eps)
     h_BTD, new_cache, max_logit_H = self.attn(
-      rms_norm(x_BTD, self.input_norm[...], self.eps), cos, sin, pos_BT, seg_BT, cache=cache, meshes=meshes
+      x_norm_BTD, cos, sin, pos_BT, seg_BT, cache=cache, meshes=meshes, balanced=balanced
     )
     x_BTD = x_BTD + h_BTD
     h_BTD = rms_norm(x_BTD, self.post_attn_norm[...], self.eps)
@@ -173,7 +174,7 @@ def _run_stack(cfg, name, stack, x_BTD, ctx, kv, layer0, routed_LBTK, meshes):
   concatenates per-layer caches, so a decode step costs no copy of the whole cache.
   """
   graphdef, abstract = _abstract(cfg, name)
-  cos, sin, pos_BT, seg_BT, shared_cache = ctx
+  cos, sin, pos_BT, seg_BT, shared_cache, balanced = ctx
 
   def body(carry, xs):
     x_BTD, i, kv = carry
@@ -182,7 +183,7 @@ def _run_stack(cfg, name, stack, x_BTD, ctx, kv, layer0, routed_LBTK, meshes):
     nnx.replace_by_pure_dict(state, layer_params)
     block = nnx.merge(graphdef, state)
     cache = None if kv is None else (*kv, layer0 + i, *shared_cache)
-    x_BTD, kv, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, forced_BTK)
+    x_BTD, kv, aux, max_logit_H = block(x_BTD, cos, sin, pos_BT, seg_BT, cache, meshes, forced_BTK, balanced)
     return (x_BTD, i + 1, kv), (aux, max_logit_H)
 
   if isinstance(stack, list):  # `unstack_layers`: one layer at a time, no slicing of stacked weights
@@ -205,7 +206,7 @@ def _run_stack(cfg, name, stack, x_BTD, ctx, kv, layer0, routed_LBTK, meshes):
   return x_BTD, kv, aux, max_logit_LH
 
 
-def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_experts_LBTK):
+def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_experts_LBTK, balanced):
   """Logits and aux of `apply` (arguments already checked and defaulted)."""
   # Out-of-range ids read NaN rows (never a silently clamped row), so bad data shows in the loss.
   x_BTD = (
@@ -222,7 +223,7 @@ def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_exper
     k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], pos_BT.astype(jnp.int32), index, 1)
     k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segments"], seg_BT.astype(jnp.int32), index, 1)
     shared_cache, kv = (index, k_pos, k_seg), (cache["latent"], cache["k_rope"])
-  ctx = (cos, sin, pos_BT, seg_BT, shared_cache)
+  ctx = (cos, sin, pos_BT, seg_BT, shared_cache, balanced)
   max_logits, moe_aux, start = [], None, 0
   for name, n in stacks(cfg):
     routed_LBTK = routed_experts_LBTK if name == MOE else None
@@ -278,6 +279,7 @@ def apply(
   segment_ids: jax.Array | None = None,
   meshes: sharding.Meshes | None = None,
   routed_experts: jax.Array | None = None,
+  balanced: bool = False,
 ) -> tuple[jax.Array, dict]:
   """Logits [B, T, V] (float32) and aux metrics.
 
@@ -292,10 +294,23 @@ def apply(
   (capacity paths; 0 when dropless), `balance_loss` the sequence-wise balance loss,
   `routed_experts` int32 [MoE layers, B, T, top_k] the experts used (replayed or chosen),
   `max_logit` [layers, H] each head's largest attention logit (what QK-clip caps).
+  balanced: the rows are in `sharding.balance_sequence` order over the dense mesh's context shards
+  (context load balancing, `ModelConfig.context_load_balance`): the caller reordered tokens, positions
+  and segment ids (and routed_experts) alike and gets logits and aux in that order. Positions must be
+  given (RoPE and the masks follow them); no cache (decoding never reorders). A no-op without a context
+  split.
   """
   tokens = jnp.asarray(tokens)
   _check_tokens(tokens, cfg)
   B, T = tokens.shape
+  balanced = balanced and meshes is not None and sharding.degrees(meshes).seq > 1
+  if balanced:
+    if cache is not None or positions is None:
+      raise ValueError(
+        "balanced=True is for a training forward (no cache) with its reordered positions given"
+      )
+    impl = backend.attention_impl(cfg.attention_impl, meshes)
+    check_context_balance(impl, sharding.degrees(meshes).seq, T, "the sequence")
   if positions is None:
     start = 0 if cache is None else cache["index"]
     positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -307,7 +322,7 @@ def apply(
       raise ValueError(
         f"routed_experts must be [MoE layers, B, T, top_k] = {list(want)}; got {list(routed_experts.shape)}."
       )
-  return _forward(params, cfg, tokens, positions, segment_ids, cache, meshes, routed_experts)
+  return _forward(params, cfg, tokens, positions, segment_ids, cache, meshes, routed_experts, balanced)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:

@@ -9,7 +9,6 @@ more steps) and refuses the rest, naming the differing field.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -17,8 +16,9 @@ from typing import Any
 import jax
 from absl import logging
 
-from composer_jax import configs, optim, sharding
+from composer_jax import backend, configs, optim, sharding
 from composer_jax.configs import Config
+from composer_jax.model import config as model_config
 from composer_jax.stages import outputs
 from composer_jax.stages.record import Interrupted, Stage
 
@@ -39,8 +39,10 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
 
   tx = optim.build_optimizer(cfg, ocfg, meshes)
   state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes, initial_params(config, meshes))
+  # How to compute, not what: free to change on resume (and the balance switch absent from older records).
+  model_record = {k: v for k, v in configs.plain(cfg).items() if k != "context_load_balance"}
   record = configs.record(
-    model=dataclasses.replace(cfg, remat="none"),  # how to compute, not what: free to change on resume
+    model=model_record | {"remat": "none"},
     optim=configs.identity(ocfg),  # the schedule's horizon is not part of it: `train.steps` may grow
     data=d,
     batch=dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len),
@@ -137,6 +139,13 @@ def _check(config: Config) -> None:
   configs.check_batch("train.batch_size / train.seq_len", t.batch_size, t.seq_len, config, t.grad_accum)
   if t.grad_accum < 1:
     raise configs.ConfigError(f"train.grad_accum must be >= 1, got {t.grad_accum}")
+  context = config.mesh.dense[-1]
+  if config.model.context_load_balance and context > 1:
+    impl = backend.attention_impl(config.model.attention_impl)
+    try:
+      model_config.check_context_balance(impl, context, t.seq_len, "train.seq_len")
+    except ValueError as e:
+      raise configs.ConfigError(str(e)) from None
   name = config.data.tokenizer
   path = pathlib.Path(name)
   if name not in ("byte", "bpe") and not path.is_file() and not (path / "tokenizer.json").is_file():

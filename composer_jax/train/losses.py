@@ -19,9 +19,14 @@ def next_token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
   """log p(tokens[:, t + 1] | tokens[:, ≤ t]) for t < T - 1, float32 [B, T - 1]."""
   chex.assert_rank([logits_BTV, tokens_BT], [3, 2])
   chex.assert_equal_shape_prefix([logits_BTV, tokens_BT], 2)
-  chex.assert_type(tokens_BT, int)
-  logp_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+  return target_logp(logits_BTV[:, :-1], tokens_BT[:, 1:])
+
+
+def target_logp(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+  """log p(targets[:, t]) under the logits of column t, float32 [B, T]."""
+  chex.assert_type(targets_BT, int)
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
 
 
 def token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -48,6 +53,21 @@ def next_token_loss(
   """(Σ −log p(next token), counted tokens) within documents: packing never teaches the model to
   predict across a document boundary."""
   return masked_sum(-next_token_logp(logits_BTV, tokens_BT), document_mask(segment_ids_BT))
+
+
+def next_token_targets(tokens_BT: jax.Array, segment_ids_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each column's next token and whether `next_token_loss` counts it, [B, T] each (the last column
+  predicts nothing: 0, not counted). With them every column carries its own target, so the columns can
+  be reordered (context load balancing) and `target_loss` is `next_token_loss` up to float order."""
+  pad = ((0, 0), (0, 1))
+  return jnp.pad(tokens_BT[:, 1:], pad), jnp.pad(document_mask(segment_ids_BT), pad)
+
+
+def target_loss(
+  logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """(Σ −log p(targets[:, t]) under column t's logits where mask, number counted)."""
+  return masked_sum(-target_logp(logits_BTV, targets_BT), mask_BT)
 
 
 def target_count(segment_ids_BT: jax.Array) -> jax.Array:

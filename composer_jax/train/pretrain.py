@@ -22,7 +22,7 @@ from composer_jax import model, optim, sharding
 from composer_jax.configs import TrainConfig
 from composer_jax.train import loop
 from composer_jax.train import metrics as metrics_lib
-from composer_jax.train.losses import next_token_loss, target_count
+from composer_jax.train.losses import next_token_targets, target_count, target_loss
 from composer_jax.train.state import TrainState, guarded_update, replicated
 
 
@@ -40,13 +40,34 @@ def loss_fn(
   the whole batch and the number of micro-batches, so the summed micro-batch gradients are exactly
   the gradient of the whole batch's mean (not a mean of per-micro-batch means).
   """
-  logits_BTV, aux = model.apply(
-    params, cfg, batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], meshes=meshes
-  )
-  total_nll, count = next_token_loss(logits_BTV, batch["tokens"], batch["segment_ids"])
+  total_nll, count, aux = forward_nll(params, cfg, batch, meshes)
   denom = count if token_count is None else token_count
   loss = total_nll / jnp.maximum(denom, 1.0) + cfg.router_aux_loss_coef * aux["balance_loss"] / n_micro
   return loss, (total_nll, count, aux)
+
+
+def balance_shards(cfg: model.ModelConfig, meshes: sharding.Meshes | None) -> int:
+  """How many context shards training rows are load-balanced over: the dense mesh's context degree
+  with `cfg.context_load_balance`, else 1 (rows in natural order)."""
+  return sharding.degrees(meshes).seq if cfg.context_load_balance and meshes is not None else 1
+
+
+def forward_nll(params: Any, cfg: model.ModelConfig, batch: dict, meshes: sharding.Meshes | None):
+  """(Σ next-token nll within documents, tokens counted, model aux) of a packed batch.
+
+  With context load balancing (`balance_shards` > 1) tokens, positions, segment ids, next-token
+  targets and their mask are all put in `sharding.balance_sequence` order before the model, so each
+  context shard does equal causal attention work; the loss is a sum over columns, unchanged up to
+  float order. The model sees the carried positions (RoPE, masks), never the column index.
+  """
+  shards = balance_shards(cfg, meshes)
+  targets_BT, mask_BT = next_token_targets(batch["tokens"], batch["segment_ids"])
+  columns = (batch["tokens"], batch["positions"], batch["segment_ids"], targets_BT, mask_BT)
+  tokens_BT, pos_BT, seg_BT, targets_BT, mask_BT = (sharding.balance_sequence(x, shards) for x in columns)
+  logits_BTV, aux = model.apply(
+    params, cfg, tokens_BT, pos_BT, segment_ids=seg_BT, meshes=meshes, balanced=shards > 1
+  )
+  return (*target_loss(logits_BTV, targets_BT, mask_BT), aux)
 
 
 def batch_sharding(meshes: sharding.Meshes | None) -> Any:
@@ -223,10 +244,7 @@ def make_eval_step(cfg: model.ModelConfig, params_sharding: Any, meshes: shardin
   """Jitted (sum of nll, token count) of one batch: summed over batches for a token-weighted mean."""
 
   def eval_step(params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
-    logits_BTV, _ = model.apply(
-      params, cfg, batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], meshes=meshes
-    )
-    return next_token_loss(logits_BTV, batch["tokens"], batch["segment_ids"])
+    return forward_nll(params, cfg, batch, meshes)[:2]
 
   rep = replicated(meshes)
   return jax.jit(eval_step, in_shardings=(params_sharding, batch_sharding(meshes)), out_shardings=(rep, rep))
