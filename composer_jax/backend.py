@@ -12,6 +12,9 @@ The platform is the one the program is compiled for: the devices of the meshes w
 | tpu      | "splash" (tokamax), else "xla"             | "tokamax" if installed, else "ragged" (native) |
 
 Decoding always uses the absorbed MLA form over the latent cache (attention.py), whatever the kernel.
+Shapes decide too: "auto" splash runs only when each query shard and the keys split into 128-row
+blocks (`attention_kernels.splash_fits`; else "xla"), and tokamax's Mosaic grouped matmul hands
+operands under 128 rows or columns to XLA's ragged_dot (`experts.tokamax_ragged_dot`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ sigmoid scores, bias added for selection only, group score = sum of the top 2 pe
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -307,21 +308,43 @@ def test_ragged_path_zeroes_rows_a_kernel_leaves_behind():
   np.testing.assert_allclose(y_AD, expected_AD, rtol=1e-5, atol=1e-5)
 
 
-def test_tokamax_expert_kernel_matches_ragged():
-  """tokamax's grouped matmul (Mosaic on TPU, Triton on GPU) against jax.lax.ragged_dot."""
-  tokamax = pytest.importorskip("tokamax", reason="tokamax is not installed (extra `kernels`)")
+def _tokamax_kernel():
+  """tokamax's grouped matmul for this platform and the context to trace it in: on CPU the Mosaic TPU
+  kernel in Pallas interpret mode, traced for a v5p TensorCore (Mosaic reads the chip's tiling)."""
+  pytest.importorskip("tokamax", reason="tokamax is not installed (extra `kernels`)")
   platform = jax.devices()[0].platform
-  if platform not in ("tpu", "gpu"):
-    pytest.skip(f"tokamax's ragged_dot kernels run on TPU or GPU only, not {platform}")
-  del tokamax
-  E, D, F, A = 8, 128, 128, 256
+  if platform in ("tpu", "gpu"):
+    return experts.tokamax_ragged_dot(platform), contextlib.nullcontext()
+  v5p = jax.sharding.AbstractDevice(device_kind="TPU v5", num_cores=1, platform="tpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("one",), abstract_device=v5p)
+  return experts.tokamax_ragged_dot("tpu", interpret=True), jax.sharding.use_abstract_mesh(mesh)
+
+
+def test_tokamax_expert_kernel_matches_ragged():
+  """tokamax's grouped matmul (Mosaic on TPU, Triton on GPU, Mosaic interpreted on CPU) against
+  jax.lax.ragged_dot: values and all four gradients, with out-of-range ids (empty EP slots) whose rows
+  the kernel leaves unwritten; and the kernel, not tokamax's XLA fallback, must be what ran."""
+  kernel, context = _tokamax_kernel()
+  E, D, F, A = 4, 128, 128, 256
   rng = np.random.default_rng(13)
   x_AD = rng.standard_normal((A, D)).astype(np.float32)
   ids_A = rng.integers(0, E, A).astype(np.int32)
+  ids_A[:20] = E
   weights = _random_expert_weights(rng, E, D, F)
-  kernel = experts.tokamax_ragged_dot(platform)
-  y = jax.jit(lambda *a: experts.experts_ragged(*a, "float32", 1, kernel))(x_AD, ids_A, *weights)
-  np.testing.assert_allclose(y, np_expert_rows(x_AD, ids_A, *weights), rtol=2e-2, atol=2e-2)
+  cot_AD = rng.standard_normal((A, D)).astype(np.float32)
+
+  def loss(ragged_dot):
+    return lambda x, *ws: jnp.sum(experts.experts_ragged(x, ids_A, *ws, "float32", 1, ragged_dot) * cot_AD)
+
+  with context:
+    assert "pallas_call" in str(jax.make_jaxpr(loss(kernel))(x_AD, *weights))
+    got, got_grads = jax.jit(jax.value_and_grad(loss(kernel), argnums=(0, 1, 2, 3)))(x_AD, *weights)
+  want, want_grads = jax.jit(jax.value_and_grad(loss(jax.lax.ragged_dot), argnums=(0, 1, 2, 3)))(
+    x_AD, *weights
+  )
+  np.testing.assert_allclose(got, want, rtol=2e-2)
+  for g, w in zip(got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
 
 
 @pytest.mark.parametrize("block", [5, 64])

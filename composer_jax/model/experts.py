@@ -8,11 +8,13 @@ R rows of the padded block layout.
 `backend.expert_impl`):
 - "ragged": sort assignments by expert → `jax.lax.ragged_dot` grouped matmuls → unsort. Dropless.
   XLA:CPU lowers ragged_dot as a masked dense matmul over all E groups (E× the work), and so does
-  XLA:GPU (a zero-padded dense expansion: E_local× the FLOPs, out of memory at 48 local experts);
-  XLA:TPU has a native grouped matmul.
+  XLA:GPU (a zero-padded dense expansion: E_local× the FLOPs, out of memory at 48 local experts).
+  XLA:TPU emits its own Mosaic grouped-matmul kernels for the forward and the input gradient, but
+  the weight gradient becomes a convolution over all local groups that XLA counts at E_local× the
+  grouped FLOPs (compiled: benchmarks/RESULTS.md, issue 16, expert kernels).
 - "tokamax": the same sort, with tokamax's grouped-matmul kernels (`tokamax.ragged_dot`: Pallas Mosaic
-  on TPU, Triton on GPU; megablocks-style tiles over the sorted rows, with their own backward).
-  Needs `pip install tokamax` (extra `kernels`) and `shard_map` around it (Mosaic kernels are not
+  on TPU, Triton on GPU; megablocks-style tiles over the sorted rows, grouped kernels for both
+  gradients too). Needs tokamax (extra `kernels`) and `shard_map` around it (Mosaic kernels are not
   auto-partitioned): the expert-parallel dispatch provides it.
 - "dense": every expert on every row, each row keeping its own expert's output. Exact and dropless,
   E× the routed FLOPs: for a handful of tokens (decoding), where one batched matmul beats sorting.
@@ -36,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import project
@@ -74,32 +77,63 @@ def experts_ragged(
   `ragged_dot`: `jax.lax.ragged_dot` or a kernel with its signature (`tokamax_ragged_dot`)."""
   E, F = w_gate_EDF.shape[0], w_gate_EDF.shape[2]
   order_A, sizes_E, _, _ = sort_by_expert(expert_ids_A, E)
-  x_sorted = jnp.asarray(x_ND)[order_A // per_token].astype(dtype)
+  # Rows past Σ sizes (ids outside [0, E)) are zero for jax.lax.ragged_dot; a kernel may leave them as
+  # they were (NaN in Pallas interpret mode), in its output and in its input gradient: masked on both
+  # sides, so neither reaches y nor x's gradient.
+  valid_sorted = (jnp.arange(expert_ids_A.shape[0]) < jnp.sum(sizes_E))[:, None]
+  x_sorted = jnp.where(valid_sorted, jnp.asarray(x_ND)[order_A // per_token], 0).astype(dtype)
 
   def grouped(x, w):
     return ragged_dot(x, w.astype(dtype), sizes_E, preferred_element_type=jnp.float32).astype(dtype)
 
   gate_up = grouped(x_sorted, jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1))  # one matmul, not two
-  y_sorted = grouped(jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:], w_down_EFD)
-  # Rows past Σ sizes (ids outside [0, E)) are zero for jax.lax.ragged_dot; a kernel may leave them as is.
-  valid_sorted = jnp.arange(y_sorted.shape[0]) < jnp.sum(sizes_E)
-  y_sorted = jnp.where(valid_sorted[:, None], y_sorted, 0)
+  y_sorted = jnp.where(valid_sorted, grouped(jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:], w_down_EFD), 0)
   return jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
 
 
-def tokamax_ragged_dot(platform: str):
-  """`tokamax.ragged_dot` with the implementation of `platform` ("tpu": Pallas Mosaic, "gpu": Triton),
-  in `jax.lax.ragged_dot`'s signature."""
+def tokamax_ragged_dot(platform: str, interpret: bool = False):
+  """`tokamax.ragged_dot` for `platform` ("tpu": Pallas Mosaic, "gpu": Triton) in `jax.lax.ragged_dot`'s
+  signature. Shapes the kernel refuses (Mosaic: any of rows, contraction or output width < 128) run
+  tokamax's XLA implementation (`jax.lax.ragged_dot`), tokamax's own fallback order.
+
+  On TPU the Mosaic op's device check is skipped: tokamax asks the host's default device, a CPU when the
+  step is compiled ahead of time for a TPU topology (`plan.compile`); the caller has chosen the target.
+  `interpret`: Pallas interpret mode (tests; trace under a TPU `jax.sharding.AbstractDevice`)."""
   try:
     tokamax = importlib.import_module("tokamax")
   except ImportError as e:
     raise ImportError(
       "expert_impl='tokamax' needs tokamax (`pip install -e '.[kernels]'`); 'ragged' runs without it"
     ) from e
-  implementation = {"tpu": "mosaic", "gpu": "triton"}.get(platform)
-  if implementation is None:
+  # tokamax reads its options as absl flags and, unless flags are parsed (run.py parses them), parses
+  # sys.argv on first use: any other command line (pytest, a benchmark's argparse) fails there.
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  if platform == "tpu":
+    kernel = _mosaic_tpu_ragged_dot(interpret)
+  elif platform == "gpu":
+    kernel = "triton"
+  else:
     raise ValueError(f"expert_impl='tokamax' runs on TPU or GPU, not {platform!r}; use 'blocked' on CPU")
-  return functools.partial(tokamax.ragged_dot, implementation=implementation)
+  return functools.partial(tokamax.ragged_dot, implementation=(kernel, "xla"))
+
+
+@functools.cache
+def _mosaic_tpu_ragged_dot(interpret: bool):
+  """tokamax's Pallas Mosaic TPU grouped matmul (forward, and the same kernel for both backward
+  products), without its check of the host's default device."""
+  mosaic = importlib.import_module("tokamax._src.ops.ragged_dot.pallas_mosaic_tpu")
+  base = importlib.import_module("tokamax._src.ops.ragged_dot.base")
+
+  class ForTpu(mosaic.PallasMosaicTpuRaggedDot):
+    __slots__ = ()
+
+    def supported_on(self, device) -> bool:
+      return True
+
+  inner = ForTpu(interpret=interpret)
+  vjp = functools.partial(base.vjp, dlhs_ragged_dot=inner, drhs_ragged_dot=inner)
+  return ForTpu(interpret=interpret, vjp=vjp)
 
 
 def experts_dense(x_ND, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, per_token=1) -> jax.Array:
