@@ -5,6 +5,7 @@ and whether the collectives are asynchronous and overlap other groups' Newton–
   python benchmarks/muon_compile.py --variant=moonlight_16b --topology=v5p:4x4x4
   python benchmarks/muon_compile.py --variant=tiny                       # 8 CPU devices
   python benchmarks/muon_compile.py --variant=moonlight_16b --topology=v5p:4x4x4 --layers=3 --json=out.json
+  python benchmarks/muon_compile.py --variant=moonlight_16b --topology=v5p:4x4x4 --layers=2 --step
 
 What is compiled: `optim.muon_branch(model, optimizer config, meshes)` (the Muon half of the optimizer,
 with the variant's meshes and dimension numbers) as `jit(tx.update)(grads, state, params)` on abstract
@@ -18,6 +19,14 @@ of each collective's result per device, from the optimized HLO (a loop body coun
 Overlap: in the scheduled entry computation, for each asynchronous collective (`*-start` … `*-done`),
 how many matmul-bearing instructions (`dot` / `convolution` or fusions calling them) run between the
 two: > 0 means XLA placed other work under the collective.
+
+`--step` compiles the whole pretraining step instead (`plan.compile.lower_train_step`, the compile
+stage's step: forward, backward, AdamW and Muon in one program) and reads its schedule (`schedule`):
+where the backward pass ends in the entry computation, how many Newton–Schulz matmuls and Muon
+collectives are placed before that point, and for each asynchronous Muon all-to-all how many *other*
+groups' NS matmuls run inside it. Muon's ops carry the named scopes `muon_group<i>` and
+`newton_schulz` (optim/muon.py); the backward pass's carry JAX's `transpose(jvp(...))` names.
+`--unrolled` sets model.scan_layers=False (layers as separate ops rather than one scanned loop).
 """
 
 from __future__ import annotations
@@ -148,6 +157,79 @@ def overlap(hlo: str) -> dict[str, int]:
   }
 
 
+_OP_NAME = re.compile(r'op_name="(?:jit\([\w.]+\)/)?([^"]*)"')
+_GROUP = re.compile(r"muon_group(\d+)")
+
+
+def _op_name(line: str) -> str:
+  m = _OP_NAME.search(line)
+  return m.group(1) if m else ""
+
+
+def schedule(hlo: str) -> dict[str, int]:
+  """Muon's place in the scheduled entry computation of a whole train step (module docstring)."""
+  comps = _computations(hlo)
+  entry = comps.get("__entry__", [])
+  has_dot = {n: any(re.search(r"\b(dot|convolution)\(", ln) for ln in body) for n, body in comps.items()}
+
+  def matmul(line: str) -> bool:
+    called = re.findall(r"calls=%?([\w.\-]+)", line)
+    return bool(re.search(r"= [^=]*\b(dot|convolution)\(", line)) or any(
+      has_dot.get(c, False) for c in called
+    )
+
+  names = [_op_name(line) for line in entry]
+  backward = [i for i, n in enumerate(names) if n.startswith("transpose(")]
+  end = max(backward, default=-1)
+  backward_matmuls = [i for i in backward if matmul(entry[i])]
+  ns = [(i, int(g.group(1))) for i, (ln, n) in enumerate(zip(entry, names, strict=True))
+        if "newton_schulz" in n and matmul(ln) and (g := _GROUP.search(n))]  # fmt: skip
+  starts, pairs = {}, []
+  for i, (line, name) in enumerate(zip(entry, names, strict=True)):
+    group = _GROUP.search(name)
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\ball-to-all-start\(", line)
+    if m and group:
+      starts[m.group(1)] = (i, int(group.group(1)))
+    d = re.search(r"\ball-to-all-done\(%?([\w.\-]+)\)", line)
+    if d and d.group(1) in starts:
+      (s, g) = starts.pop(d.group(1))
+      pairs.append(sum(1 for j, other in ns if s < j < i and other != g))
+  muon_collectives = [i for i, n in enumerate(names) if _GROUP.search(n) and _COLL_OP.search(entry[i])]
+  return {
+    "entry_instructions": len(entry),
+    "backward_instructions": len(backward),
+    "backward_ends_at": end,
+    "muon_groups": len({g for _, g in ns}),
+    "ns_matmuls": len(ns),
+    "first_ns_matmul_at": ns[0][0] if ns else -1,
+    "ns_matmuls_before_backward_ends": sum(i < end for i, _ in ns),
+    "backward_matmuls": len(backward_matmuls),
+    "backward_matmuls_after_first_ns": sum(i > ns[0][0] for i in backward_matmuls) if ns else 0,
+    "muon_collectives_before_backward_ends": sum(i < end for i in muon_collectives),
+    "muon_async_all_to_alls": len(pairs),
+    "with_other_groups_ns_inside": sum(n > 0 for n in pairs),
+    "max_other_groups_ns_inside": max(pairs, default=0),
+  }
+
+
+_COLL_OP = re.compile(
+  r"\b((?:ragged-)?all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)(-start)?\("
+)
+
+
+def compile_step(config: configs.Config, devices: list) -> dict:
+  """The whole train step compiled; compiler figures and `schedule`."""
+  meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
+  t0, cpu0 = time.perf_counter(), time.process_time()
+  compiled = compile_stage.lower_train_step(config, meshes).compile()
+  seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+  hlo = compiled.as_text()
+  out = {"devices": len(devices), "platform": devices[0].platform, "layers": config.model.n_layers}
+  out |= {"scan_layers": config.model.scan_layers, "compile_seconds": round(seconds, 1)}
+  out |= {"compile_cpu_seconds": round(cpu, 1)} | compile_stage.analyse(compiled)
+  return out | {"overlap": overlap(hlo), "schedule": schedule(hlo), "hlo": hlo}
+
+
 def compile_update(config: configs.Config, devices: list) -> dict:
   cfg = config.model
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
@@ -191,18 +273,30 @@ def main() -> None:
   p.add_argument("--topology", default=None, help="TPU topology (e.g. v5p:4x4x4); default: the CPU devices")
   p.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
   p.add_argument("--expert_mesh", default=None, help="override mesh.expert, e.g. 8,8 (expert, expert_fsdp)")
+  p.add_argument("--step", action="store_true", help="compile the whole train step (module docstring)")
+  p.add_argument("--unrolled", action="store_true", help="model.scan_layers=False")
+  p.add_argument(
+    "--clip_muon", action="store_true", help="optim.clip_muon=True: global-norm clip over all leaves"
+  )
+  p.add_argument("--attention_impl", default=None, help="override model.attention_impl (e.g. xla)")
+  p.add_argument("--expert_impl", default=None, help="override model.expert_impl (e.g. ragged)")
   p.add_argument("--json", default=None, help="write the result here")
   p.add_argument("--hlo", default=None, help="write the optimized HLO here")
   args = p.parse_args()
   config = _config(args.variant)
   if args.layers:
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=args.layers))
+  model_changes = {"scan_layers": False} if args.unrolled else {}
+  model_changes |= {k: getattr(args, k) for k in ("attention_impl", "expert_impl") if getattr(args, k)}
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, **model_changes))
+  if args.clip_muon:  # the step before issue 16: the global norm over every leaf gates Muon's input
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, clip_muon=True))
   if args.expert_mesh:
     expert = tuple(int(x) for x in args.expert_mesh.split(","))
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, expert=expert))
   devices = compile_stage.topology_devices(args.topology) if args.topology else jax.devices()
   result = {"variant": args.variant, "topology": args.topology, "expert_mesh": config.mesh.expert}
-  result |= compile_update(config, devices)
+  result |= (compile_step if args.step else compile_update)(config, devices)
   hlo = result.pop("hlo")
   print(json.dumps(result, indent=1))
   if args.hlo:

@@ -48,3 +48,14 @@ def write_corpus(root: pathlib.Path) -> str:
       body = "".join(f"def f{j}(x):\n  return x * {int(rng.integers(10))}\n\n" for j in range(20))
       (root / name).write_text(f'"""Module {name}."""\n\n' + body)
   return str(root)
+
+
+def load_script(relative: str):
+  """A repository script (e.g. "benchmarks/rl_feedback.py") imported as a module, for its functions."""
+  import importlib.util  # noqa: PLC0415
+
+  path = pathlib.Path(__file__).resolve().parents[1] / relative
+  spec = importlib.util.spec_from_file_location(path.stem + "_under_test", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -111,7 +111,8 @@ def _exchange(x_NMK: jax.Array, group: Group, coeffs_S3, norm_scale: float, eps:
       c_NMK = jax.lax.all_to_all(c_NMK, _axis_name(m_axes), 0, 1, tiled=True)
     if k_axes:
       c_NMK = jax.lax.all_to_all(c_NMK, _axis_name(k_axes), 0, 2, tiled=True)
-    c_NMK = newton_schulz.orthogonalize(c_NMK, coeffs_S3, norm_scale, eps)
+    with jax.named_scope("newton_schulz"):
+      c_NMK = newton_schulz.orthogonalize(c_NMK, coeffs_S3, norm_scale, eps)
     if k_axes:
       c_NMK = jax.lax.all_to_all(c_NMK, _axis_name(k_axes), 2, 0, tiled=True)
     if m_axes:
@@ -126,7 +127,10 @@ def _sharded(x_NMK: jax.Array, group: Group, coeffs_S3, norm_scale: float, eps: 
   _, m_axes, k_axes = group.view.axes
   if m_axes:
     x_NMK = jax.lax.all_to_all(x_NMK, _axis_name(m_axes), 2, 1, tiled=True)
-  y_NMK = newton_schulz.orthogonalize_sharded(x_NMK, coeffs_S3, _axis_name(m_axes + k_axes), norm_scale, eps)
+  with jax.named_scope("newton_schulz"):
+    y_NMK = newton_schulz.orthogonalize_sharded(
+      x_NMK, coeffs_S3, _axis_name(m_axes + k_axes), norm_scale, eps
+    )
   if m_axes:
     y_NMK = jax.lax.all_to_all(y_NMK, _axis_name(m_axes), 1, 2, tiled=True)
   return y_NMK
@@ -180,9 +184,11 @@ def _orthogonalize_all(mu_hats: dict, views: dict, ns: _NS) -> dict:
     flops_per_byte=ns.flops_per_byte,
     sharded_min_elements=ns.sharded_min_elements,
   )
-  for group in groups:
+  for number, group in enumerate(groups):
     members, v0 = group.members, group.view
 
+    # Named per group, so a profile or the compiled HLO tells groups apart (benchmarks/muon_compile.py).
+    @jax.named_scope(f"muon_group{number}")
     def body(*xs_BMK, group=group):
       return tuple(_orthogonalize_group(list(xs_BMK), group, ns.coeffs_S3, ns.norm_scale, ns.eps))
 
