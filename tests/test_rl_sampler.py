@@ -285,3 +285,23 @@ def test_rejects_bad_prompt_lengths_and_small_cache(params):
     sampler.sample(params, CFG, PROMPTS_BP, np.array([8, 0, 5, 1]), jax.random.key(0), max_new_tokens=N)
   with pytest.raises(ValueError, match="cache_len"):
     _sample(params, cache_len=P + N - 1)
+
+
+def test_filter_logits_fast_path_equals_the_full_sort():
+  """The lax.top_k path (0 < top_k ≤ V − 1 candidates) keeps exactly what sorting the whole row keeps,
+  ties included, for every top_k around the boundaries and with top-p on top."""
+  rng = np.random.default_rng(0)
+  V = 16
+  logits_BV = np.round(rng.normal(size=(4, V)), 1).astype(np.float32)  # rounded: ties
+  for top_k in (1, 2, V // 2, V - 2, V - 1, V, V + 3):
+    for top_p in (1.0, 0.6):
+      got = np.asarray(sampler.filter_logits(jnp.asarray(logits_BV), jnp.asarray(top_k), jnp.asarray(top_p)))
+      ref = np.asarray(
+        sampler._filter_sorted(
+          jnp.asarray(logits_BV), -jnp.sort(-jnp.asarray(logits_BV), axis=-1), jnp.asarray(top_k),
+          jnp.asarray(top_p),
+        )
+      )  # fmt: skip
+      np.testing.assert_array_equal(got, ref, err_msg=f"top_k={top_k} top_p={top_p}")
+      kept = np.isfinite(got).sum(axis=-1)
+      assert np.all(kept >= min(top_k, V) if top_p == 1.0 else kept >= 1)
