@@ -257,6 +257,9 @@ def parse():
   ap.add_argument("--eval_every", type=int, default=5)
   ap.add_argument("--eval_problems", type=int, default=128)
   ap.add_argument("--gate", action="store_true", help="run the gate on the SFT checkpoint first (gate.json)")
+  ap.add_argument(
+    "--past_failed_gate", action="store_true", help="run the arms even when the gate fails (not a result)"
+  )
   ap.add_argument("--set", action="append", default=[], help="override, e.g. --set rl.lambda_feedback=0.5")
   ap.add_argument("--tag", default="", help="results and plot file suffix")
   ap.add_argument("--out", default=None, help="also write the markdown summary here")
@@ -301,6 +304,11 @@ def main():
     report += [f"- gate: {'PASS' if g['passed'] else 'FAIL'}"] + [
       f"  - {k} {'pass' if v['pass'] else 'FAIL'}: {v['why']}" for k, v in g.get("gates", {}).items()
     ]
+    if not g["passed"] and not args.past_failed_gate:  # a comparison on a failed precondition is no result
+      print("\n".join(report), flush=True)
+      sys.exit(
+        f"the gate failed on this SFT checkpoint ({gate_path}); no RL run (--past_failed_gate to go on)"
+      )
   path = pathlib.Path(workdir, f"rl_feedback{args.tag}.json")
   runs = json.loads(path.read_text())["runs"] if path.exists() else {}
   # Seed-major: each seed's arms finish together, so a run cut short still leaves complete pairs.

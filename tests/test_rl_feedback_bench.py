@@ -2,20 +2,13 @@
 both primary metrics by the required margin and significance, never raises the invalid-call rate, and the
 null-hint arm does not beat RL alone; each criterion can fail on its own."""
 
-import importlib.util
-import pathlib
-
 import pytest
-
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "rl_feedback.py"
+from tiny import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("rl_feedback_bench", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("benchmarks/rl_feedback.py")
 
 
 def _run(rewards, invalid):

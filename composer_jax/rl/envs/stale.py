@@ -150,6 +150,11 @@ class DemoMix:
   override: float = 0.2  # a rename hint before the turn: the hint overrides the prompt
   null_note: float = 0.15  # the neutral note before a turn, then the documented call
   unknown_hint: float = 0.7  # of unknown-tool mistakes: share followed by the hint
+  # Of unknown-tool mistakes without the hint: share followed by the neutral note. The note then also
+  # follows errors, where what comes next is what comes without it, so it predicts nothing there either
+  # (without these demos a message after an error always meant a hint, and a checkpoint could read a
+  # correction into the neutral note: gate G2 failed, null 0.160 vs student 0.023 valid).
+  unknown_null: float = 0.5
 
 
 def _calls(problem: Problem, names: dict[str, str]) -> list[tuple[str, ...]]:
@@ -223,6 +228,8 @@ def demonstrations(
         _mistake(traj, (wrong, *call[1:]), f"Error: unknown tool '{wrong}'.", tok)
         if rng.random() < mix.unknown_hint:
           traj.add_message(chat.USER, feedback.hint_for("unknown_tool", info), tok)
+        elif rng.random() < mix.unknown_null:
+          traj.add_message(chat.USER, feedback.NULL_NOTE, tok)
       elif i == j and kind == "override":
         traj.add_message(chat.USER, feedback.rename_hint(docs[op], names[op]), tok)
       elif i == j and kind == "null_note":
