@@ -149,7 +149,17 @@ class DemoMix:
   unknown_mistake: float = 0.1  # wrong name -> error -> (unknown_tool hint, or not) -> documented name
   override: float = 0.2  # a rename hint before the turn: the hint overrides the prompt
   null_note: float = 0.15  # the neutral note before a turn, then the documented call
+  # The server renamed a documented tool and the unknown_tool reminder lists the current names, after a
+  # wrong-name mistake. Without these demos the reminder always equalled the docs, and on stale-docs
+  # episodes the frozen teacher, reminded "available tools are add, ...", still called the documented
+  # `sum` (0/8; teacher 0.70 vs student 0.875 valid on those turns, benchmarks/RESULTS.md). Half of them
+  # with the reminder before the turn and no mistake made a message before a stale-docs turn read as
+  # "depart from the docs": gate G2 failed, null 0.063 vs student 0.001 valid on stale_tool turns.
+  renamed_reminder: float = 0.1
   unknown_hint: float = 0.7  # of unknown-tool mistakes: share followed by the hint
+  pool_mistake: float = (
+    0.5  # of wrong names: share drawn from the pool (an undocumented name), else WRONG_NAMES
+  )
   # Of unknown-tool mistakes without the hint: share followed by the neutral note. The note then also
   # follows errors, where what comes next is what comes without it, so it predicts nothing there either
   # (without these demos a message after an error always meant a hint, and a checkpoint could read a
@@ -174,6 +184,18 @@ def _mistake(traj: chat.Trajectory, call: tuple[str, ...], error: str, tok: Toke
   traj.add_message(chat.TOOL, error, tok)
 
 
+def _wrong_name(
+  rng: random.Random, call: tuple[str, ...], docs: dict[str, str], names: dict[str, str], mix: DemoMix
+) -> str:
+  """A name the (SFT) server rejects for this call: an undocumented name from the call's pool (the
+  confusion a docs-following model makes), or one of WRONG_NAMES."""
+  op = next((o for o in NAMES if names[o] == call[0]), None)
+  # Not the current name of a retired documented one either: that call is right in `StaleEnv`.
+  taken = (docs.get(op), names.get(op), dict(RENAMED).get(docs.get(op, "")))
+  pool = [x for x in NAMES.get(op, ()) if x not in taken]
+  return rng.choice(pool) if pool and rng.random() < mix.pool_mistake else rng.choice(WRONG_NAMES)
+
+
 def demonstrations(
   n: int,
   seed: int = 0,
@@ -183,11 +205,13 @@ def demonstrations(
 ) -> list[chat.Trajectory]:
   """SFT corpus on SFT servers (every pool name works as documented unless a hint renames it).
 
-  info["kind"]: plain | stale_mistake | unknown_mistake | override | null_note. Every hint text the
-  detectors of `StaleEnv` can emit (`feedback.hint_for` of FEEDBACK_KINDS) occurs in the corpus.
+  info["kind"]: plain | stale_mistake | unknown_mistake | override | null_note | renamed_reminder.
+  Every hint text the detectors of `StaleEnv` can emit (`feedback.hint_for` of FEEDBACK_KINDS) occurs
+  in the corpus, and a taught call only ever uses a documented name or one a hint in context gave.
   """
   rng = random.Random(seed)
   renamed = dict(RENAMED)
+  kinds = ("stale_mistake", "unknown_mistake", "override", "null_note", "renamed_reminder")
   out = []
   for _ in range(n):
     problem = make_problem(rng.randrange(1 << 30), _toy_cfg(cfg))
@@ -195,7 +219,7 @@ def demonstrations(
     ops = [op for op, *_ in problem.steps]
     u = rng.random()
     kind = "plain"
-    for name in ("stale_mistake", "unknown_mistake", "override", "null_note"):
+    for name in kinds:
       u -= getattr(mix, name)
       if u < 0:
         kind = name
@@ -203,9 +227,10 @@ def demonstrations(
     # The turn the event happens at: the first use of an operation (a renamed tool before it would be a
     # call that contradicts the docs without a hint).
     op = rng.choice(ops)
-    j = ops.index(op) if kind in ("stale_mistake", "override") else rng.randrange(len(ops) + 1)
+    first_use = kind in ("stale_mistake", "override", "renamed_reminder")
+    j = ops.index(op) if first_use else rng.randrange(len(ops) + 1)
     names = dict(docs)
-    if kind == "stale_mistake":
+    if kind in ("stale_mistake", "renamed_reminder"):
       old = rng.choice([o for o, _ in RENAMED if o in NAMES[op]])
       docs[op], names[op] = old, renamed[old]
     elif kind == "override":
@@ -217,6 +242,7 @@ def demonstrations(
       )
     calls, results = _calls(problem, names), _results(problem)
     info = {"tools": (names["add"], names["mul"], "answer"), "renamed": RENAMED}
+    reminder = feedback.hint_for("unknown_tool", info)
     traj = chat.Trajectory(info={"problem": problem.text, "kind": kind, "docs": dict(docs)})
     traj.add_message(chat.USER, docs_text(docs, problem), tok)
     for i, (call, result) in enumerate(zip(calls, results, strict=True)):
@@ -224,12 +250,16 @@ def demonstrations(
         _mistake(traj, (docs[op], *call[1:]), f"Error: unknown tool '{docs[op]}'.", tok)
         traj.add_message(chat.USER, feedback.rename_hint(docs[op], names[op]), tok)
       elif i == j and kind == "unknown_mistake":
-        wrong = rng.choice(WRONG_NAMES)
+        wrong = _wrong_name(rng, call, docs, names, mix)
         _mistake(traj, (wrong, *call[1:]), f"Error: unknown tool '{wrong}'.", tok)
         if rng.random() < mix.unknown_hint:
-          traj.add_message(chat.USER, feedback.hint_for("unknown_tool", info), tok)
+          traj.add_message(chat.USER, reminder, tok)
         elif rng.random() < mix.unknown_null:
           traj.add_message(chat.USER, feedback.NULL_NOTE, tok)
+      elif i == j and kind == "renamed_reminder":
+        wrong = _wrong_name(rng, call, docs, names, mix)
+        _mistake(traj, (wrong, *call[1:]), f"Error: unknown tool '{wrong}'.", tok)
+        traj.add_message(chat.USER, reminder, tok)
       elif i == j and kind == "override":
         traj.add_message(chat.USER, feedback.rename_hint(docs[op], names[op]), tok)
       elif i == j and kind == "null_note":
