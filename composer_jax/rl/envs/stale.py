@@ -157,9 +157,8 @@ class DemoMix:
   # "depart from the docs": gate G2 failed, null 0.063 vs student 0.001 valid on stale_tool turns.
   renamed_reminder: float = 0.1
   unknown_hint: float = 0.7  # of unknown-tool mistakes: share followed by the hint
-  pool_mistake: float = (
-    0.5  # of wrong names: share drawn from the pool (an undocumented name), else WRONG_NAMES
-  )
+  # Of wrong names: share drawn from the call's pool (an undocumented name), else from WRONG_NAMES.
+  pool_mistake: float = 0.5
   # Of unknown-tool mistakes without the hint: share followed by the neutral note. The note then also
   # follows errors, where what comes next is what comes without it, so it predicts nothing there either
   # (without these demos a message after an error always meant a hint, and a checkpoint could read a
