@@ -39,6 +39,8 @@ def test_episodes_are_a_function_of_the_seed_and_follow_the_rule():
       assert e1.accepts[current] == op and name in stale.NAMES[op]
       seen[name in dict(stale.RENAMED)] += 1
   assert 0.2 < seen[True] / sum(seen.values()) < 0.4  # stale_rate 0.3 per tool
+  # No prompt documents a current name, so a docs-following policy cannot sample it by chance.
+  assert not {new for _, new in stale.RENAMED} & {n for pool in stale.NAMES.values() for n in pool}
 
 
 def test_stale_docs_fail_without_the_fix_and_cost_reward():
@@ -63,10 +65,10 @@ def test_check_is_pure_and_names_the_error():
   env = stale.StaleEnv()
   env.reset(_stale_seed("mul"))
   assert env.check(chat.ToolCall("prod", ("2", "3"))) == "Error: unknown tool 'prod'."
-  assert env.check(chat.ToolCall("mul", ("2",))) == "Error: mul takes 2 integer arguments."
+  assert env.check(chat.ToolCall("vmul", ("2",))) == "Error: vmul takes 2 integer arguments."
   assert env.check(chat.ToolCall("answer", ("x",))) == "Error: answer takes 1 integer argument."
   assert env.check(chat.ParseError("truncated")) == "Error: malformed tool call."
-  assert env.check(chat.ToolCall("mul", ("2", "3"))) == "" and env.invalid == 0
+  assert env.check(chat.ToolCall("vmul", ("2", "3"))) == "" and env.invalid == 0
 
 
 def test_detector_and_hint_variants():
@@ -78,10 +80,10 @@ def test_detector_and_hint_variants():
   found = feedback.detect(traj, info)
   assert found[0][1] == "stale_tool" and {k for _, k in found} == {"stale_tool"}
   k = found[0][0]
-  assert feedback.hint_at(traj, k, "stale_tool", info) == "Note: the tool sum was renamed to add."
+  assert feedback.hint_at(traj, k, "stale_tool", info) == "Note: the tool sum was renamed to vadd."
   assert feedback.hint_at(traj, k, "stale_tool", info, variant="null") == feedback.NULL_NOTE
   wrong = feedback.hint_at(traj, k, "stale_tool", info, variant="wrong")
-  decoy = dict(info["decoys"])["add"]
+  decoy = dict(info["decoys"])["vadd"]
   assert wrong == f"Note: the tool sum was renamed to {decoy}." and env.check(
     chat.ToolCall(decoy, ("1", "2"))
   )
@@ -108,11 +110,12 @@ def test_demonstrations_teach_every_hint_and_never_the_rule_unhinted():
   for d in demos:
     user_msgs |= {TOK.decode(d.turn_tokens(k)[1:-1]) for k, r in enumerate(d.turn_roles) if r == chat.USER}
   emitted = {feedback.rename_hint(old, new) for old, new in stale.RENAMED} | {feedback.NULL_NOTE}
-  for add in stale.NAMES["add"]:
-    for mul in stale.NAMES["mul"]:
-      emitted.add(feedback.hint_for("unknown_tool", {"tools": (add, mul, "answer")}))
-  assert emitted <= user_msgs, emitted - user_msgs
   renamed = dict(stale.RENAMED)
+  for add in stale.NAMES["add"]:  # the accepted names of every documentation the environment can show
+    for mul in stale.NAMES["mul"]:
+      tools = (renamed.get(add, add), renamed.get(mul, mul), "answer")
+      emitted.add(feedback.hint_for("unknown_tool", {"tools": tools}))
+  assert emitted <= user_msgs, emitted - user_msgs
   follows_reminder: set[int] = set()  # demos where a taught call uses a name only a reminder gave
   for d in demos:
     hinted: dict[str, str] = {}  # documented name -> the name a hint in context renamed it to

@@ -77,7 +77,7 @@ _HINTS = {
 
 
 def rename_hint(old: str, new: str) -> str:
-  """The stale_tool hint: `Note: the tool sum was renamed to add.`"""
+  """The stale_tool hint: `Note: the tool sum was renamed to vadd.`"""
   return _HINTS["stale_tool"].format(old=old, new=new)
 
 

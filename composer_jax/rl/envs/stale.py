@@ -2,15 +2,18 @@
 
   user: Compute (3+4)*5. Tools: sum a b, times a b, answer x.
   assistant: <|tool_call|>sum 3 4<|/tool_call|>      tool: Error: unknown tool 'sum'.   (episode over: -0.25)
-  with the hint "Note: the tool sum was renamed to add." before that turn, the call is add 3 4 -> 7 ...
+  with the hint "Note: the tool sum was renamed to vadd." before that turn, the call is vadd 3 4 -> 7 ...
 
 The prompt documents one tool for `+` (first) and one for `*` (second), each under a name from a small
 pool. The SFT warm-up teaches the model to call the tools by their documented names. In this
-environment two names are retired by one rule shared by every episode (`RENAMED`: sum → add,
-prod → mul): a prompt that documents `sum` has stale docs, and the environment accepts only `add`.
+environment two names are retired by one rule shared by every episode (`RENAMED`: sum → vadd,
+prod → vmul): a prompt that documents `sum` has stale docs, and the environment accepts only `vadd`.
 The error names the failure ("unknown tool 'sum'") but not the fix, so a model that follows the docs
-cannot recover; the detector's hint states the rule ("Note: the tool sum was renamed to add."). A
-rule shared across episodes can be distilled into the policy; a per-episode secret could not
+cannot recover; the detector's hint states the rule ("Note: the tool sum was renamed to vadd."). A
+rule shared across episodes can be distilled into the policy; a per-episode secret could not.
+The current names are outside the docs' pools, so RL alone cannot stumble on them: with current names
+from the pools (sum → add) RL alone found the rule by sampling `add` under `sum` docs in some seeds
+within 30 steps, and the comparison measured the luck of that search (benchmarks/RESULTS.md).
 A wrong call costs `invalid_penalty`, and the episode ends at the first one
 (`max_errors`): with retries the SFT model sometimes tried the current name after the error (12 % of
 stale episodes), which RL alone then reinforced -- the hint carried nothing RL could not find. Without
@@ -33,7 +36,9 @@ from composer_jax.rl.envs import Step
 from composer_jax.rl.envs.toy import ArithmeticEpisode, Problem, add_demo_call, make_problem
 
 NAMES = {"add": ("add", "plus", "sum"), "mul": ("mul", "times", "prod")}  # per operation, SFT pools
-RENAMED = (("sum", "add"), ("prod", "mul"))  # the shared rule of this environment: retired -> current
+# The shared rule of this environment: retired -> current. A current name is never documented (no pool
+# has it): the SFT corpus shows it only after a hint or reminder that gives it.
+RENAMED = (("sum", "vadd"), ("prod", "vmul"))
 WRONG_NAMES = ("calc", "addn", "mult", "compute", "eval", "do")  # SFT: unknown-tool mistakes
 FEEDBACK_KINDS = ("stale_tool", "unknown_tool")  # the detectors whose hints the SFT corpus teaches
 
@@ -156,6 +161,9 @@ class DemoMix:
   # with the reminder before the turn and no mistake made a message before a stale-docs turn read as
   # "depart from the docs": gate G2 failed, null 0.063 vs student 0.001 valid on stale_tool turns.
   renamed_reminder: float = 0.1
+  # Of those: share where the other documented tool is retired too, so the reminder lists both current
+  # names (the environment's reminder on an episode whose docs are stale for both tools).
+  both_renamed: float = 0.3
   unknown_hint: float = 0.7  # of unknown-tool mistakes: share followed by the hint
   # Of wrong names: share drawn from the call's pool (an undocumented name), else from WRONG_NAMES.
   pool_mistake: float = 0.5
@@ -232,6 +240,11 @@ def demonstrations(
     if kind in ("stale_mistake", "renamed_reminder"):
       old = rng.choice([o for o, _ in RENAMED if o in NAMES[op]])
       docs[op], names[op] = old, renamed[old]
+    if kind == "renamed_reminder" and rng.random() < mix.both_renamed:
+      other = next(o for o in NAMES if o != op)  # renamed too, if no call uses it before the reminder
+      if other not in ops[:j]:
+        old = rng.choice([o for o, _ in RENAMED if o in NAMES[other]])
+        docs[other], names[other] = old, renamed[old]
     elif kind == "override":
       old = docs[op]
       names[op] = (
