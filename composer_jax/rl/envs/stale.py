@@ -39,8 +39,14 @@ NAMES = {"add": ("add", "plus", "sum"), "mul": ("mul", "times", "prod")}  # per 
 # The shared rule of this environment: retired -> current. A current name is never documented (no pool
 # has it): the SFT corpus shows it only after a hint or reminder that gives it.
 RENAMED = (("sum", "vadd"), ("prod", "vmul"))
+CURRENT = dict(RENAMED)  # retired name -> its current name
 WRONG_NAMES = ("calc", "addn", "mult", "compute", "eval", "do")  # SFT: unknown-tool mistakes
 FEEDBACK_KINDS = ("stale_tool", "unknown_tool")  # the detectors whose hints the SFT corpus teaches
+
+
+def unknown_tool_error(name: str) -> str:
+  """The server's reply to a call of a name it does not serve: the failure, not the fix."""
+  return f"Error: unknown tool '{name}'."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,28 +102,26 @@ class StaleEnv(ArithmeticEpisode):
   def reset(self, seed: int) -> list[tuple[int, str]]:
     rng = random.Random(seed)
     self.problem = make_problem(rng.randrange(1 << 30), _toy_cfg(self.cfg))
-    renamed = dict(RENAMED)
     self.docs = {}
     for op, pool in NAMES.items():
-      live = [n for n in pool if n not in renamed]
-      stale = [n for n in pool if n in renamed]
+      live = [n for n in pool if n not in CURRENT]
+      stale = [n for n in pool if n in CURRENT]
       self.docs[op] = rng.choice(stale) if rng.random() < self.cfg.stale_rate else rng.choice(live)
-    self.accepts = {renamed.get(n, n): op for op, n in self.docs.items()} | {"answer": "answer"}
+    self.accepts = {CURRENT.get(n, n): op for op, n in self.docs.items()} | {"answer": "answer"}
     self.answered, self.invalid = None, 0
     return [(chat.USER, docs_text(self.docs, self.problem))]
 
   def stale_ops(self) -> tuple[str, ...]:
     """The operations this episode's problem needs whose documented name is retired."""
-    renamed = dict(RENAMED)
     needed = {op for op, *_ in self.problem.steps} if self.problem else set()
-    return tuple(op for op in NAMES if op in needed and self.docs.get(op) in renamed)
+    return tuple(op for op in NAMES if op in needed and self.docs.get(op) in CURRENT)
 
   def check(self, call: chat.ToolCall | chat.ParseError) -> str:
     """The error text for a call ("" if the environment accepts it); pure, so the gate can ask."""
     if isinstance(call, chat.ParseError):
       return "Error: no tool call." if call.kind == "no_call" else "Error: malformed tool call."
     if call.name not in self.accepts:
-      return f"Error: unknown tool '{call.name}'."
+      return unknown_tool_error(call.name)
     nums = [_int(a) for a in call.args]
     n = arity(call.name)
     if len(nums) != n or any(x is None for x in nums):
@@ -198,7 +202,7 @@ def _wrong_name(
   confusion a docs-following model makes), or one of WRONG_NAMES."""
   op = next((o for o in NAMES if names[o] == call[0]), None)
   # Not the current name of a retired documented one either: that call is right in `StaleEnv`.
-  taken = (docs.get(op), names.get(op), dict(RENAMED).get(docs.get(op, "")))
+  taken = (docs.get(op), names.get(op), CURRENT.get(docs.get(op, "")))
   pool = [x for x in NAMES.get(op, ()) if x not in taken]
   return rng.choice(pool) if pool and rng.random() < mix.pool_mistake else rng.choice(WRONG_NAMES)
 
@@ -217,7 +221,6 @@ def demonstrations(
   in the corpus, and a taught call only ever uses a documented name or one a hint in context gave.
   """
   rng = random.Random(seed)
-  renamed = dict(RENAMED)
   kinds = ("stale_mistake", "unknown_mistake", "override", "null_note", "renamed_reminder")
   out = []
   for _ in range(n):
@@ -239,17 +242,17 @@ def demonstrations(
     names = dict(docs)
     if kind in ("stale_mistake", "renamed_reminder"):
       old = rng.choice([o for o, _ in RENAMED if o in NAMES[op]])
-      docs[op], names[op] = old, renamed[old]
+      docs[op], names[op] = old, CURRENT[old]
     if kind == "renamed_reminder" and rng.random() < mix.both_renamed:
       other = next(o for o in NAMES if o != op)  # renamed too, if no call uses it before the reminder
       if other not in ops[:j]:
         old = rng.choice([o for o, _ in RENAMED if o in NAMES[other]])
-        docs[other], names[other] = old, renamed[old]
+        docs[other], names[other] = old, CURRENT[old]
     elif kind == "override":
       old = docs[op]
       names[op] = (
-        renamed[old]
-        if old in renamed and rng.random() < 0.5
+        CURRENT[old]
+        if old in CURRENT and rng.random() < 0.5
         else rng.choice([x for x in NAMES[op] if x != old])
       )
     calls, results = _calls(problem, names), _results(problem)
@@ -259,18 +262,18 @@ def demonstrations(
     traj.add_message(chat.USER, docs_text(docs, problem), tok)
     for i, (call, result) in enumerate(zip(calls, results, strict=True)):
       if i == j and kind == "stale_mistake":
-        _mistake(traj, (docs[op], *call[1:]), f"Error: unknown tool '{docs[op]}'.", tok)
+        _mistake(traj, (docs[op], *call[1:]), unknown_tool_error(docs[op]), tok)
         traj.add_message(chat.USER, feedback.rename_hint(docs[op], names[op]), tok)
       elif i == j and kind == "unknown_mistake":
         wrong = _wrong_name(rng, call, docs, names, mix)
-        _mistake(traj, (wrong, *call[1:]), f"Error: unknown tool '{wrong}'.", tok)
+        _mistake(traj, (wrong, *call[1:]), unknown_tool_error(wrong), tok)
         if rng.random() < mix.unknown_hint:
           traj.add_message(chat.USER, reminder, tok)
         elif rng.random() < mix.unknown_null:
           traj.add_message(chat.USER, feedback.NULL_NOTE, tok)
       elif i == j and kind == "renamed_reminder":
         wrong = _wrong_name(rng, call, docs, names, mix)
-        _mistake(traj, (wrong, *call[1:]), f"Error: unknown tool '{wrong}'.", tok)
+        _mistake(traj, (wrong, *call[1:]), unknown_tool_error(wrong), tok)
         traj.add_message(chat.USER, reminder, tok)
       elif i == j and kind == "override":
         traj.add_message(chat.USER, feedback.rename_hint(docs[op], names[op]), tok)
