@@ -216,8 +216,7 @@ class RLConfig:
 
   env: str = "stale"  # "stale" | "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
   # The one-command default: the stale-docs env, RL alone vs RL + feedback on the same seeds in minutes
-  # (benchmarks/RESULTS.md, issue 13). 30 steps: at 20 the lead on the fixed set was small on seed 7
-  # (+0.043; +0.129 at 30). On the toy env reward rose with --config.rl.problems_per_step=32.
+  # (benchmarks/RESULTS.md, issue 13; at 20 steps seed 7's lead was small). Toy env: problems_per_step=32.
   steps: int = 30
   problems_per_step: int = 8
   group_size: int = 8  # rollouts per problem (one group = one problem seed)
