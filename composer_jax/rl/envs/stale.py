@@ -157,7 +157,9 @@ class DemoMix:
   stale_mistake: float = 0.15  # retired name -> error -> stale_tool hint -> current name
   unknown_mistake: float = 0.1  # wrong name -> error -> (unknown_tool hint, or not) -> documented name
   override: float = 0.2  # a rename hint before the turn: the hint overrides the prompt
-  null_note: float = 0.15  # the neutral note before a turn, then the documented call
+  # The neutral note before a turn, then the documented call: as common as the rename hints that override
+  # the prompt, so a message before a turn is no sign by itself to leave the docs (gate G2).
+  null_note: float = 0.25
   # The server renamed a documented tool and the unknown_tool reminder lists the current names, after a
   # wrong-name mistake. Without these demos the reminder always equalled the docs, and on stale-docs
   # episodes the frozen teacher, reminded "available tools are add, ...", still called the documented
