@@ -232,6 +232,8 @@ def _known_failure(e: Exception) -> tuple[str, int]:
     return f"{e}; what finished and what the stage saved are kept: rerun the same command to resume", 130
   if isinstance(e, loop.Diverged):
     return str(e), 1
+  if type(e).__name__ == "MissingUpstream":  # a stage's starting weights: one line naming what to run
+    return str(e), 2
   if type(e).__name__ in ("CheckpointError", "CheckpointSaveError"):  # orbax: imported by the stages
     return str(e).replace("\n", " "), 2 if type(e).__name__ == "CheckpointError" else 1
   raise e

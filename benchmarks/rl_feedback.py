@@ -1,8 +1,11 @@
 """RL alone vs RL + targeted text feedback vs a null-hint control, paired over seeds, from one SFT checkpoint.
 
   python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --seeds=0,1,2,3,4,5 --steps=30 \\
-      --out=runs/rl_feedback/summary.md          # SFT once (cached), the gate, then 3 arms x 6 seeds
+      --out=runs/rl_feedback/summary.md   # pretrain + SFT once (cached), the gate, then 3 arms x 6 seeds
   python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --coding_only     # coding env, 1 RL step
+
+The stack is the `run.py` pipeline's: the tiny variant's model pretrained, SFT'd and RL-trained on both
+meshes (8 CPU devices) with sharded Muon; each arm is the rl stage's own `run_arm`.
 
 Arms (`--arms`): `alone` (λ = 0), `feedback` (the config's feedback settings), `null` (the same loss, a
 neutral note as the "hint": `rl.hint=null`). Within a seed every arm starts from the same SFT checkpoint
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib.util
 import json
 import os
@@ -37,16 +39,18 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+jax.config.update("jax_num_cpu_devices", 8)  # the meshes' 8 devices (as run.py and the tests)
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 
-from composer_jax import configs, optim, train  # noqa: E402
+from composer_jax import configs, optim, pipeline, sharding, train  # noqa: E402
+from composer_jax.rl import chat, stats  # noqa: E402
 from composer_jax.rl import loop as rl_loop  # noqa: E402
-from composer_jax.rl import rollout, stats  # noqa: E402
 from composer_jax.rl import step as rl_step  # noqa: E402
-from composer_jax.rl.envs import factories  # noqa: E402
-from composer_jax.stages import gate as gate_stage  # noqa: E402
+from composer_jax.rl.loss import LossSettings  # noqa: E402
 from composer_jax.stages import rl as rl_stage  # noqa: E402
-from composer_jax.stages import sft as sft_stage  # noqa: E402
+from composer_jax.stages import weights  # noqa: E402
+from composer_jax.train import loop as train_loop  # noqa: E402
+from composer_jax.train import step as step_lib  # noqa: E402
 
 ARMS = ("alone", "feedback", "null")
 LABEL = {"alone": "RL alone", "feedback": "RL + feedback", "null": "RL + null hint"}
@@ -59,33 +63,19 @@ def experiment_config():
   return configs.from_config(mod.get_config("tiny"))
 
 
-def fresh_state(config, cfg, rcfg, params):
-  ocfg = rl_stage.rl_optimizer(config, rcfg)
-  tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, None), rcfg)
-  params = jax.tree.map(lambda x: x.copy(), params)  # the steps donate their state
-  state = train.state.committed(
-    train.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params))
-  )
-  return state, tx, optim.lr_schedule(ocfg)
-
-
 def arm_config(base: configs.RLConfig, arm: str, seed: int) -> configs.RLConfig:
   if arm == "alone":
     return dataclasses.replace(base, lambda_feedback=0.0, seed=seed)
   return dataclasses.replace(base, seed=seed, hint="null" if arm == "null" else "task")
 
 
-def run_arm(config, cfg, rcfg, params):
-  state, tx, schedule = fresh_state(config, cfg, rcfg, params)
-  steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
-  evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
-  _, summary = rl_loop.fit(state, steps, factories.seeded_envs(rcfg), cfg, rcfg, evaluate=evaluate)
-  if summary["interrupted"]:  # not a result: stop here (the finished runs are saved)
-    raise SystemExit(f"interrupted at step {summary['steps']}; rerun the command to continue")
+def run_arm(config, workdir, rcfg, name):
+  """One arm through the rl stage's own `run_arm` (checkpoints under <workdir>/<name>)."""
+  summary = rl_stage.run_arm(config, workdir, rcfg, name)
   return {"history": summary["history"], "evals": summary["evals"], "seconds": summary["seconds"]}
 
 
-def coding_check(config, cfg, params, workdir):
+def coding_check(config, workdir):
   """One RL step on the coding env over the fixture task(s): rollouts, sandboxed grading, monitor, update."""
   sys.path.insert(0, str(ROOT / "tests"))
   from test_synth_tasks import fixture_env  # the fixture repository of the synth tests
@@ -112,10 +102,19 @@ def coding_check(config, cfg, params, workdir):
       [i for i in range(len(task_list)) for _ in range(2)],
     )
 
-  state, tx, schedule = fresh_state(config, cfg, rcfg, params)
-  steps = {fb: rl_step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
+  cfg, meshes = config.model, sharding.make_meshes(config)
+  ocfg = rl_stage.rl_optimizer(config, rcfg)
+  tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, meshes), rcfg)
+  params, _ = weights.starting_params(config, workdir, "sft", meshes)
+  state = train.create_state(cfg, tx, jax.random.key(0), meshes, params=params)
+  step = step_lib.make_step(
+    rl_step.loss_fn(cfg, LossSettings.of(rcfg), meshes), tx, cfg, schedule=optim.lr_schedule(ocfg),
+    meshes=meshes, state_sharding=train.state.state_shardings(state),
+  )  # fmt: skip
+  hooks = rl_loop.hooks(make, cfg, rcfg, chat.tokenizer(config.data.tokenizer), meshes=meshes)
   t0 = time.perf_counter()
-  _, summary = rl_loop.fit(state, steps, make, cfg, rcfg)
+  _, result = train_loop.fit(state, step, rl_loop.schedule(rcfg), hooks, name="coding")
+  summary = result.summary("reward")
   return {"tasks": [t.instance_id for t in task_list], "seconds": time.perf_counter() - t0, **summary}
 
 
@@ -285,22 +284,20 @@ def build_config(args):
 def main():
   args = parse()
   config = build_config(args)
-  cfg = configs.rl_model(config)
   workdir = str(pathlib.Path(args.workdir).absolute())
-  params = sft_stage.load_params(workdir, cfg)
-  if params is None:
-    sft_stage.run(config, workdir)
-    params = sft_stage.load_params(workdir, cfg)
+  # pretrain -> sft (-> gate) as run.py runs them: finished stages with this config are skipped.
+  upstream = "pretrain,sft,gate" if args.gate else "pretrain,sft"
+  pipeline.run(dataclasses.replace(config, stages=upstream), workdir)
   if args.coding_only:
-    res = coding_check(config, cfg, params, workdir)
+    res = coding_check(config, workdir)
     print(
       json.dumps({k: v for k, v in res.items() if k != "history"} | {"history": res["history"]}, default=str)
     )
     return
   report = [f"## RL alone vs RL + feedback vs null hint ({config.rl.env} env){args.tag}", ""]
   if args.gate:
-    gate_path = pathlib.Path(workdir, "gate.json")  # the gate of this SFT checkpoint, run once
-    g = json.loads(gate_path.read_text()) if gate_path.exists() else gate_stage.run(config, workdir)
+    gate_path = pathlib.Path(workdir, "gate.json")  # the gate of this SFT checkpoint (the pipeline's)
+    g = json.loads(gate_path.read_text())
     report += [f"- gate: {'PASS' if g['passed'] else 'FAIL'}"] + [
       f"  - {k} {'pass' if v['pass'] else 'FAIL'}: {v['why']}" for k, v in g.get("gates", {}).items()
     ]
@@ -317,7 +314,8 @@ def main():
       if len(runs.get(arm, {}).get(seed, {}).get("history", [])) >= args.steps:
         continue  # finished before
       print(f"== {LABEL[arm]}, seed {seed}", flush=True)
-      r = runs.setdefault(arm, {})[seed] = run_arm(config, cfg, arm_config(config.rl, arm, int(seed)), params)
+      rcfg = arm_config(config.rl, arm, int(seed))
+      r = runs.setdefault(arm, {})[seed] = run_arm(config, workdir, rcfg, f"rl_{arm}_{seed}")
       ev = r["evals"]
       print(
         f"   fixed-set reward {ev[0]['reward']:.3f} -> {ev[-1]['reward']:.3f}, invalid-call rate "

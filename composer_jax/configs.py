@@ -8,8 +8,10 @@ An experiment file (`experiments/composer25.py`) builds a `Config`, overriding o
 these defaults, and returns it as an `ml_collections.ConfigDict` so `--config.x.y=` flags can set any
 field. The pipeline turns it back into a `Config` before any work: an unknown key anywhere fails with
 one line that names it and the nearest valid key. Values derived from others (the optimizer's schedule
-length, the RL model) are computed here in code, never stored, so an override of their source
-propagates.
+length) are computed here in code, never stored, so an override of their source propagates.
+
+One `model` and one tokenizer (`data.tokenizer`, which has the chat format's special tokens) serve every
+stage: pretrain -> sft -> gate -> rl train the same weights on the same two meshes.
 
 Nothing in `composer_jax` is imported here but `strict` (the generic conversion) and `model/config.py`
 (ModelConfig and RopeConfig, re-exported): importing it loads jax and flax through the model package, but
@@ -56,7 +58,6 @@ __all__ = [
   "pretrain_optimizer",
   "record",
   "resolve",
-  "rl_model",
   "stage_optimizer",
   "to_config_dict",
 ]
@@ -87,7 +88,9 @@ class DemoConfig:
 class DataConfig:
   """The pretraining corpus (`data.corpus`) and its tokenizer."""
 
-  tokenizer: str = "byte"  # "byte" (267 ids) | "bpe" (the shipped 4,096-token BPE)
+  # Every stage's tokenizer (pretraining text and the chat turns of sft/gate/rl): "byte" (267 ids) | "bpe"
+  # (the shipped 4,096-token BPE) | a checkpoint directory with tokenizer.json (init_from sets it).
+  tokenizer: str = "byte"
   src_dir: str | None = None  # None: this Python's standard library
   max_files: int | None = None  # None: all files
 
@@ -150,13 +153,14 @@ class SynthConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """The `sft` stage: warm-up of the small RL model on tool-use demonstrations of `rl.env` (`rl.sft`).
+  """The `sft` stage: the pretrained model warmed up on tool-use demonstrations of `rl.env` (`rl.sft`).
 
   Stale-docs env, 300 packed steps: the hinted teacher makes 97-99 % of flagged turns valid (the gate),
   unflagged rollouts pass ~0.8 (benchmarks/RESULTS.md, issue 13). Toy env (one demo per row, 32 rows):
   60 steps pass 0.06, 150 steps 0.45, 300 steps 0.98.
   """
 
+  init: str = "pretrain"  # the newest pretrain checkpoint (else init_from's weights) | "random": a fresh init
   steps: int = 300
   batch_size: int = 16  # rows per step
   pack_len: int = 256  # > 0: each row packs random demos up to this many tokens (~2); 0: one demo per row
@@ -187,27 +191,6 @@ class CodingEnvConfig:
   """`rl.env="coding"`: the sandboxed coding environment over the synth stage's tasks."""
 
   output_chars: int = 2000  # tool output shown to the model, at most
-
-
-# The small one-device model of the sft and rl stages: `model` with these fields replaced.
-RL_MODEL = dict(
-  vocab_size=272,  # the byte tokenizer's 267 ids, rounded up
-  d_model=128,
-  n_layers=2,
-  first_k_dense=1,
-  n_heads=4,
-  dense_mlp_dim=256,
-  moe_mlp_dim=128,
-  n_experts=4,
-  top_k=2,
-  n_group=1,
-  topk_group=1,
-  q_lora_rank=64,
-  kv_lora_rank=64,
-  qk_nope_head_dim=32,
-  qk_rope_head_dim=16,
-  v_head_dim=32,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +237,6 @@ class RLConfig:
   max_turn_tokens: int = 16  # sampled tokens per assistant turn (a call is at most ~12)
   cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
   batch_min_len: int = 256  # a step's batch is padded to a power of two ≥ this: fewer shapes to compile
-  tokenizer: str = "byte"  # or a checkpoint dir with the chat tokens (init_from sets it; rl.chat.tokenizer)
   # bookkeeping
   seed: int = 0
   log_every: int = 1
@@ -263,11 +245,6 @@ class RLConfig:
   # R3 (arXiv 2510.11370): record the sampler's experts per token and replay them in the training forward.
   routing_replay: bool = False
   compare_without_feedback: bool = True  # stage rl: then the same run with lambda_feedback 0, same seeds
-  # Fields of ModelConfig replaced in `model` for the sft and rl stages (`rl_model`). Left out of the hash
-  # (a dict has none), so an RLConfig can still be a static jit argument.
-  model: dict[str, Any] = dataclasses.field(
-    default_factory=lambda: dict(RL_MODEL), hash=False, metadata={"overrides": ModelConfig}
-  )
   stale: StaleEnvConfig = StaleEnvConfig()
   coding: CodingEnvConfig = CodingEnvConfig()
 
@@ -325,7 +302,7 @@ class Config:
   force: str = ""  # stages to start over although finished ("sft,rl" or "all"); old outputs moved aside
   workdir: str | None = None  # None: run.py's --workdir, else runs/<variant>
   # An HF DeepseekV3/Kimi-K2 checkpoint dir: its config.json sets model's shapes, every stage starts from its
-  # weights (sft, gate, rl train it instead of rl.model), its tokenizer.json is data and rl.tokenizer.
+  # weights (pretrain and sft start from them), its tokenizer.json is data.tokenizer.
   init_from: str | None = None
   mesh: MeshConfig = MeshConfig()
   model: ModelConfig = ModelConfig()
@@ -382,17 +359,9 @@ def pretrain_optimizer(config: Config) -> OptimizerConfig:
   return optimizer_for(config.optim, config.train.steps)
 
 
-def rl_model(config: Config) -> ModelConfig:
-  """The one-device model of the sft and rl stages: `config.model` with `config.rl.model`, or, with
-  `init_from`, the checkpoint's own model as it is (its weights are what sft and rl start from)."""
-  if config.init_from:
-    return config.model
-  return dataclasses.replace(config.model, **config.rl.model)
-
-
 # ModelConfig fields that say how to compute, not what: kept from `model` when `init_from` sets the shapes.
-_COMPUTE_FIELDS = ("dtype", "param_dtype", "expert_impl", "expert_block", "capacity_factor", "dispatch")
-_COMPUTE_FIELDS += ("router_aux_loss_coef", "remat", "init_std", "context_load_balance")
+COMPUTE_FIELDS = ("dtype", "param_dtype", "expert_impl", "expert_block", "capacity_factor", "dispatch")
+COMPUTE_FIELDS += ("router_aux_loss_coef", "remat", "init_std", "context_load_balance")
 
 
 def resolve(config: Config) -> Config:
@@ -407,15 +376,15 @@ def resolve(config: Config) -> Config:
     raise ConfigError(
       f"init_from {str(d)!r} has no config.json: point it at a Hugging Face checkpoint directory"
     )
-  compute = {k: getattr(config.model, k) for k in _COMPUTE_FIELDS}
+  compute = {k: getattr(config.model, k) for k in COMPUTE_FIELDS}
   try:
     model = ModelConfig.from_hf(json.loads((d / "config.json").read_text()), **compute)
   except ValueError as e:
     raise ConfigError(f"init_from {str(d)!r}: {e}") from None
-  data, rl = config.data, config.rl
+  data = config.data
   if (d / "tokenizer.json").is_file():
-    data, rl = dataclasses.replace(data, tokenizer=str(d)), dataclasses.replace(rl, tokenizer=str(d))
-  return dataclasses.replace(config, model=model, data=data, rl=rl)
+    data = dataclasses.replace(data, tokenizer=str(d))
+  return dataclasses.replace(config, model=model, data=data)
 
 
 def check_meshes(config: Config) -> None:

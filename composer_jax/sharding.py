@@ -200,6 +200,13 @@ def activation_sharding(logical_axes: Logical, meshes: Meshes, *, expert: bool =
   return NamedSharding(meshes.dense, _spec(logical_axes, DENSE_ACTIVATION_RULES, None, meshes.dense))
 
 
+def batch_sharding(shape: Sequence[int], meshes: Meshes) -> NamedSharding:
+  """Where a host batch array of `shape` goes: rows over replica·fsdp, the second dim (time) over context,
+  the rest replicated; a dim the mesh axes do not divide stays replicated (a scalar: replicated)."""
+  axes = ("batch", "seq", *(None,) * max(len(shape) - 2, 0))[: len(shape)]
+  return NamedSharding(meshes.dense, _spec(axes, DENSE_ACTIVATION_RULES, shape, meshes.dense))
+
+
 def constrain(
   x: jax.Array, logical_axes: Logical, meshes: Meshes | None, *, expert: bool = False
 ) -> jax.Array:

@@ -47,7 +47,7 @@ def test_an_override_of_an_optional_field_is_typed():
   [
     (dict(rl=dict(stepz=3)), "unknown config key 'rl.stepz'; did you mean 'rl.steps'?"),
     (dict(train=dict(bogus=1)), "unknown config key 'train.bogus'; valid keys here: steps, "),
-    (dict(rl=dict(model=dict(d_modle=3))), "unknown config key 'rl.model.d_modle'; did you mean 'rl.model"),
+    (dict(rl=dict(stale=dict(ratez=3))), "unknown config key 'rl.stale.ratez'; did you mean 'rl.stale.rate"),
     (dict(model=dict(rope=dict(thetta=1.0))), "unknown config key 'model.rope.thetta'; did you mean 'model"),
     (dict(stagez="demo"), "unknown config key 'stagez'; did you mean 'stages'?"),
     (dict(train=dict(steps="many")), "train.steps='many': expected int, got str"),
@@ -62,7 +62,7 @@ def test_bad_keys_and_values_name_the_key(values, message):
 
 
 def test_check_path_walks_sections_and_partial_sections():
-  for ok in ("rl.steps", "rl.model.d_model", "model.rope.theta", "compile.topology", "seed"):
+  for ok in ("rl.steps", "rl.stale.rate", "model.rope.theta", "compile.topology", "seed"):
     configs.check_path(ok)
   with pytest.raises(
     configs.ConfigError, match="'rl.coding.output_charz'; did you mean 'rl.coding.output_chars'"

@@ -22,7 +22,8 @@ from tiny import TINY
 from composer_jax import configs, model, sharding
 from composer_jax.model import attention_kernels
 from composer_jax.stages import pretrain as pretrain_stage
-from composer_jax.train import pretrain as pt
+from composer_jax.train import step as step_lib
+from composer_jax.train.batch import TokenBatch, place
 
 _SPLASH = "tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_"
 
@@ -79,13 +80,17 @@ def test_train_step_loss_and_gradients_equal_with_and_without_balance(impl, T, m
   monkeypatch.setattr(model, "apply", lambda *a, **kw: seen.append(kw.get("balanced")) or apply(*a, **kw))
   base = dataclasses.replace(TINY, attention_impl=impl)
   params = model.init(base, jax.random.key(0), meshes)
-  batch = pt.global_batch(_packed_batch(T), meshes)
+  batch = place(TokenBatch.of(_packed_batch(T)), meshes)
   results = []
   for on in (False, True):
     cfg = dataclasses.replace(base, context_load_balance=on)
-    assert pt.balance_shards(cfg, meshes) == (2 if on else 1)
-    step = jax.jit(lambda p, b, cfg=cfg: pt.grads_and_aux(p, cfg, b, meshes))
-    grads, (nll, count, aux) = step(params, batch)
+    assert step_lib.balance_shards(cfg, meshes) == (2 if on else 1)
+
+    def nll_and_aux(p, b, cfg=cfg):  # the gradient of the mean loss, as the step takes it
+      nll, count, aux = step_lib.forward_nll(p, cfg, b, meshes)
+      return nll / count, (nll, count, aux)
+
+    grads, (nll, count, aux) = jax.jit(jax.grad(nll_and_aux, has_aux=True))(params, batch)
     results.append((jax.device_get(grads), float(nll), float(count), np.asarray(aux["max_logit"])))
   assert seen == [False, True]  # the balanced run really went through the model reordered
   (g0, nll0, n0, max0), (g1, nll1, n1, max1) = results

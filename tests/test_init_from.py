@@ -97,7 +97,9 @@ def test_the_checkpoint_sets_model_and_tokenizer(hf_dir, corpus_dir):
   vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
   assert isinstance(tok, tokenizer.HFTokenizer) and tok.vocab_size == len(vocab) <= 272
   assert (tok.eos_id, tok.pad_id) == (0, 1) and tok.decode(tok.encode("def f1(x):")) == "def f1(x):"
-  assert config.rl.tokenizer == str(hf_dir) and chat.tokenizer(config.rl.tokenizer).special_id("<|user|>") > 1
+  assert (
+    config.data.tokenizer == str(hf_dir) and chat.tokenizer(config.data.tokenizer).special_id("<|user|>") > 1
+  )
   assert tok.encode("<|user|>") != [tok.special_id("<|user|>")]  # in text, a special's name is text
   with pytest.raises(KeyError, match="no <\\|nope\\|> token"):
     tok.special_id("<|nope|>")
@@ -135,33 +137,40 @@ def _by_path(tree) -> dict:
   return {"/".join(name(k) for k in path): np.asarray(leaf) for path, leaf in flat}
 
 
-def _chat_config(hf_dir, corpus_dir, stages: str):
+def _chat_config(hf_dir, corpus_dir, stages: str, mesh=((4, 1, 2), (8, 1))):
   """sft with lr 0 (the weights stay the checkpoint's), then RL: a step or two of each, tiny batches."""
   c = _config(hf_dir, corpus_dir, stages)
+  c.mesh.dense, c.mesh.expert = mesh
   c.optim.update(weight_decay=0.0, qk_clip_tau=0.0)
-  c.sft.update(steps=2, lr=0.0, batch_size=2, pack_len=0, demos=8, eval_problems=2, router_bias_rate=0.0)
-  c.rl.update(steps=1, problems_per_step=2, group_size=2, eval_every=0, feedback_rows=2, cache_len=512)
+  # Rows divide replica·fsdp on either mesh (4 on (4, 1, 2), 4 on (2, 2, 2)).
+  c.sft.update(steps=2, lr=0.0, batch_size=4, pack_len=0, demos=8, eval_problems=4, router_bias_rate=0.0)
+  c.rl.update(steps=1, problems_per_step=2, group_size=2, eval_every=0, feedback_rows=4, cache_len=512)
   c.gate.update(min_flagged=1, samples=2, rollouts_per_batch=4, max_batches=1)
   return c
 
 
-def test_sft_gate_and_rl_start_from_the_checkpoint_with_its_tokenizer(hf_dir, corpus_dir, tmp_path):
-  """The chat stages run on the checkpoint's model and tokenizer: sft (lr 0) saves the checkpoint's own
-  weights, its demos are made of the checkpoint's ids, and the gate and RL run on top."""
+@pytest.mark.parametrize("mesh", [((4, 1, 2), (8, 1)), ((2, 2, 2), (8, 1))], ids=["4x1x2", "2x2x2"])
+def test_sft_gate_and_rl_start_from_the_checkpoint_with_its_tokenizer(hf_dir, corpus_dir, tmp_path, mesh):
+  """The chat stages run on the checkpoint's model and tokenizer, on the meshes the config names (fsdp 2
+  shards the weights): sft (lr 0) saves the checkpoint's own weights, its demos are made of the
+  checkpoint's ids, and the gate and RL run on top, each saying where its weights came from."""
   from composer_jax.rl.envs import factories
-  from composer_jax.stages import sft
+  from composer_jax.stages import weights
 
-  c = _chat_config(hf_dir, corpus_dir, "sft,gate,rl")
+  c = _chat_config(hf_dir, corpus_dir, "sft,gate,rl", mesh)
   out = pipeline.run(c, str(tmp_path))
   config = configs.resolve(configs.from_config(c))
   tok = chat.tokenizer(str(hf_dir))
   assert out["sft"]["steps"] == 2 and np.isfinite(out["sft"]["last_loss"])
+  assert out["sft"]["init"] == f"init_from {hf_dir}"
   assert "gate" in out and out["rl"]["steps"] == 1 and np.isfinite(out["rl"]["history"][-1]["reward"])
-  saved = sft.load_params(str(tmp_path), configs.rl_model(config))
+  assert out["rl"]["init"].startswith("sft checkpoint") and out["gate"]["init"].startswith("sft checkpoint")
+  saved, step = weights.checkpoint_params(tmp_path / "sft", config.model, None)
+  assert step == 2
   want = jax.device_get(model.init(CFG, jax.random.key(123)))
   for path, leaf in _by_path(want).items():
     np.testing.assert_array_equal(_by_path(saved)[path], leaf, err_msg=path)
-  demo = factories.demonstrations(config.rl, config.sft, 0)[0]
+  demo = factories.demonstrations(config.rl, config.sft, 0, tok)[0]
   assert demo.tokens[0] == tok.special_id("<|user|>") and max(demo.tokens) < tok.vocab_size
 
 
@@ -183,6 +192,6 @@ def test_the_gate_oracle_reads_a_checkpoint_tokenizer(hf_dir):
 def test_a_tokenizer_without_the_chat_tokens_is_refused_in_one_line(
   plain_hf_dir, corpus_dir, tmp_path, stage
 ):
-  with pytest.raises(configs.ConfigError, match="rl.tokenizer: .* has no <\\|system\\|>, <\\|user\\|>"):
+  with pytest.raises(configs.ConfigError, match="data.tokenizer: .* has no <\\|system\\|>, <\\|user\\|>"):
     pipeline.run(_chat_config(plain_hf_dir, corpus_dir, stage), str(tmp_path))
   assert not any(tmp_path.iterdir())  # refused before any work

@@ -145,9 +145,22 @@ def test_unstacked_layers_match_the_stacks(params):
   np.testing.assert_allclose(got_aux["cache"]["latent"], want_aux["cache"]["latent"], rtol=1e-6, atol=1e-6)
 
 
-def test_greedy_decode_matches_argmax_of_full_forwards(params):
+def test_greedy_sampling_matches_argmax_of_full_forwards(params):
+  from composer_jax.rl import sampler
+
   prompt, new = 8, 8
-  decoded_BN = np.asarray(model.greedy_decode(params, CFG, jnp.asarray(TOKENS_BT[:, :prompt]), new))
+  B = TOKENS_BT.shape[0]
+  lengths = jnp.full((B,), prompt, jnp.int32)
+  out = sampler.sample(
+    params,
+    CFG,
+    jnp.asarray(TOKENS_BT[:, :prompt]),
+    lengths,
+    jax.random.key(0),
+    max_new_tokens=new,
+    temperature=0.0,
+  )
+  decoded_BN = np.asarray(out.tokens)
   # Reference: re-run the full (uncached) forward on a fixed-length buffer and append argmaxes.
   # Positions past the one read are placeholders; causality (tested above) makes them irrelevant.
   buffer_BT = TOKENS_BT.copy()

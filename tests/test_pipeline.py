@@ -175,7 +175,7 @@ def test_summary_from_stage_summaries(tmp_path):
   assert all(w in text for w in wants), text
 
 
-# The few-thousand-parameter model of tests/test_rl_loop.py, as `rl.model` overrides.
+# The few-thousand-parameter model of tests/test_rl_loop.py, as `model` overrides.
 _TINY_RL = dict(d_model=32, n_heads=2, dense_mlp_dim=64, moe_mlp_dim=16, q_lora_rank=16, kv_lora_rank=16,
                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
 
@@ -193,8 +193,9 @@ def test_synth_sft_rl_on_coding_tasks_then_all_skipped(tmp_path, monkeypatch, lo
   c.synth.update(sources="", local_dir=str(src), max_tasks_per_source=1, runs=1)
   # 267: exactly the byte tokenizer's ids. An untrained model over the default 272 samples ids 267-271,
   # which the byte tokenizer cannot decode (KeyError in the coding env: the step fails).
-  c.rl.model.update(_TINY_RL, vocab_size=267)
-  c.sft.update(steps=2, batch_size=4, demos=16, log_every=1, eval_problems=0)  # 0: no evaluation
+  c.model.update(_TINY_RL, vocab_size=267)
+  # From a random init (no pretrain stage here); 0 eval problems: no evaluation.
+  c.sft.update(init="random", steps=2, batch_size=4, demos=16, log_every=1, eval_problems=0)
   c.rl.update(env="coding", steps=1, problems_per_step=1, group_size=2, max_turns=1, max_turn_tokens=16)
   c.rl.update(cache_len=4096, lambda_feedback=0.5, compare_without_feedback=False)
   c.rl.coding.output_chars = 400
@@ -208,7 +209,7 @@ def test_synth_sft_rl_on_coding_tasks_then_all_skipped(tmp_path, monkeypatch, lo
   assert (tmp_path / "rl" / "1").exists() and len(list((tmp_path / "rl_episodes").iterdir())) == 1
   rep = json.loads((tmp_path / "summary.json").read_text())
   assert rep["stages"]["synth"]["tasks"] == 1 and rep["stages"]["rl"]["reward"]["first"] == h["reward"]
-  assert "starting from the SFT checkpoint" in logs.text
+  assert f"weights from sft checkpoint {tmp_path}/sft/2" in logs.text
   logs.clear()
 
   again = pipeline.run(c, str(tmp_path))  # everything finished: nothing recomputed

@@ -118,11 +118,11 @@ def test_collectives_small_case_by_hand():
 
 def test_expert_all_to_all_of_the_tiny_variant_by_hand():
   """EP=8, 1 expert per device, 8·128 tokens over 8 devices: 128 tokens × top-2 = 256 assignments;
-  "all_to_all" buffers hold 8 × ceil(256/8 · 4.0) = 1024 rows of D = 256 fp32 + an int32 id each,
-  7/8 of which leave the device; dispatch + combine, forward + backward, 3 MoE layers."""
+  "all_to_all" buffers hold 8 × ceil(256/8 · 4.0) = 1024 rows of D = 128 fp32 + an int32 id each,
+  7/8 of which leave the device; dispatch + combine, forward + backward, 1 MoE layer."""
   p = plan.make_plan(_config("tiny"))
-  one_way = 7 / 8 * 1024 * (256 * 4 + 4)
-  assert p.collectives["ep_all_to_all"] == int(3 * 2 * 2 * one_way)
+  one_way = 7 / 8 * 1024 * (128 * 4 + 4)
+  assert p.collectives["ep_all_to_all"] == int(1 * 2 * 2 * one_way)
 
 
 def test_derived_meshes_and_errors():

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_rl_loop import CFG, RC, _batch, _state, _wrong_then_right
+from test_rl_loop import CFG, RC, _batch, _loss, _rows, _state, _step, _wrong_then_right
 
 from composer_jax import model
 from composer_jax.rl import batch as rl_batch_lib
@@ -79,7 +79,7 @@ def test_selected_clipped_feedback_on_the_policy_scale(mode):
     feedback_clip=clip, feedback_mode=mode,
   )  # fmt: skip
   loss_fn = jax.jit(
-    lambda p, b, lam: rl_loss_lib.rl_loss(p, CFG, b, dataclasses.replace(rc, lambda_feedback=lam), True)
+    lambda p, b, lam: _loss(p, b, dataclasses.replace(rc, lambda_feedback=lam), True), static_argnums=2
   )
   (l1, (m1, _)), (l0, _) = loss_fn(params, batch, lam), loss_fn(params, batch, 0.0)
   total_d = total_adv = n_sel = 0.0
@@ -108,18 +108,18 @@ def test_frozen_teacher_stays_and_starts_equal_to_the_live_one():
   state = create_state(CFG, tx, jax.random.key(1), None)
   start = jax.tree.map(np.asarray, state.params)
   batch = _batch([_wrong_then_right(31), _wrong_then_right(32)])
-  L = batch["teacher_tokens"].shape[1]
+  L = batch.feedback.teacher_tokens.shape[1]
   live = jax.jit(
     lambda p: rl_loss_lib.teacher_logits(
-      p, CFG, rl_loss_lib.student_forward(p, CFG, batch, L)[1]["cache"], batch
+      p, CFG, rl_loss_lib.student_forward(p, CFG, _rows(batch), L)[1]["cache"], batch
     )
   )
   frozen = jax.jit(lambda p, t: rl_loss_lib.teacher_logits(p, CFG, None, batch, t))
-  n = np.asarray(batch["fb_mask"]) > 0
+  n = np.asarray(batch.feedback.fb_mask) > 0
   np.testing.assert_allclose(
     np.asarray(frozen(state.params, state.opt_state.teacher))[n], np.asarray(live(state.params))[n], atol=1e-5
   )
-  step = rl_step.make_rl_step(CFG, tx, schedule, rc, with_feedback=True)
+  step = _step(tx, schedule, rc)
   for _ in range(2):
     state, m = step(state, batch)
     assert float(m["skipped"]) == 0
@@ -136,11 +136,13 @@ def test_null_hint_arm_inserts_the_neutral_note():
   trajs = [_wrong_then_right(41)]
   b = rl_batch_lib.rl_batch(trajs, [0], [TOY], with_feedback=True, variant="null")
   note = feedback.hint_ids(feedback.NULL_NOTE)
-  assert b["teacher_tokens"][0, : len(note)].tolist() == note
+  assert b.feedback.teacher_tokens[0, : len(note)].tolist() == note
   task = rl_batch_lib.rl_batch(trajs, [0], [TOY], with_feedback=True)
   hint = feedback.hint_ids(feedback.hint_for("unknown_tool", TOY))
-  assert task["teacher_tokens"][0, : len(hint)].tolist() == hint
+  assert task.feedback.teacher_tokens[0, : len(hint)].tolist() == hint
   # The same turn tokens follow either message, aligned with the same student columns.
-  n = int(b["fb_mask"][0].sum())
-  np.testing.assert_array_equal(b["fb_cols"][0, :n], task["fb_cols"][0, :n])
-  assert chat.BYTE_TOKENIZER.decode(b["teacher_tokens"][0, len(note) :].tolist()).startswith("<|assistant|>")
+  n = int(b.feedback.fb_mask[0].sum())
+  np.testing.assert_array_equal(b.feedback.fb_cols[0, :n], task.feedback.fb_cols[0, :n])
+  assert chat.BYTE_TOKENIZER.decode(b.feedback.teacher_tokens[0, len(note) :].tolist()).startswith(
+    "<|assistant|>"
+  )

@@ -24,8 +24,11 @@ from composer_jax.rl import batch as rl_batch_lib
 from composer_jax.rl import chat, rollout
 from composer_jax.rl import loss as rl_loss_lib
 from composer_jax.rl import step as rl_step
+from composer_jax.rl.engine import KVCacheSampler
 from composer_jax.rl.envs import factories
+from composer_jax.rl.loss import LossSettings
 from composer_jax.train.state import TrainState
+from composer_jax.train.step import make_step
 
 CFG = ModelConfig(
   vocab_size=272,  # the byte tokenizer's ids
@@ -137,7 +140,9 @@ def test_rejects_routed_experts_of_the_wrong_shape(params, tokens_BT):
 def collected(params):
   """Greedy toy rollouts (2 turns: extend, decode, observation, extend, decode) with routing recorded."""
   env_list, seeds, groups = factories.toy_envs(RC)(1)
-  return rollout.collect(params, CFG, env_list, seeds, jax.random.key(0), RC), groups
+  engine = KVCacheSampler(CFG, RC, chat.BYTE_TOKENIZER, None)
+  engine.update_weights(params)
+  return rollout.collect(engine, env_list, seeds, jax.random.key(0), RC, chat.BYTE_TOKENIZER), groups
 
 
 def test_collect_records_what_the_training_forward_chooses(params, collected):
@@ -145,11 +150,11 @@ def test_collect_records_what_the_training_forward_chooses(params, collected):
   the only -1 rows are the tail appended after the last decode (never fed to the sampler)."""
   trajs, groups = collected
   batch = rl_batch_lib.rl_batch(trajs, groups)
-  routed_BTLK = batch["routed_experts"]
-  assert routed_BTLK.shape == (*batch["tokens"].shape, CFG.n_moe_layers, CFG.top_k)
+  routed_BTLK = batch.routed_experts
+  assert routed_BTLK.shape == (*batch.tokens.shape, CFG.n_moe_layers, CFG.top_k)
   full_LBTK = np.asarray(
     jax.jit(lambda p, t, pos, seg: model.apply(p, CFG, t, pos, segment_ids=seg)[1]["routed_experts"])(
-      params, batch["tokens"], batch["positions"], batch["segment_ids"]
+      params, batch.tokens, batch.positions, batch.segment_ids
     )
   )
   full_BTLK = np.moveaxis(full_LBTK, 0, 2)
@@ -175,24 +180,27 @@ def test_one_rl_step_with_routing_replay(params, collected):
   """The replayed loss equals the self-routed one (the recorded routing is the model's own here) and
   one jitted update runs with finite numbers; without recorded experts the step refuses."""
   trajs, groups = collected
-  batch = {k: jnp.asarray(v) for k, v in rl_batch_lib.rl_batch(trajs, groups).items()}
+  batch = jax.tree.map(jnp.asarray, rl_batch_lib.rl_batch(trajs, groups))
   plain = dataclasses.replace(RC, routing_replay=False)
-  loss = jax.jit(lambda p, b, rc: rl_loss_lib.rl_loss(p, CFG, b, rc, False)[0], static_argnums=2)
+
+  def _loss(p, b, rc):
+    num, la = rl_loss_lib.rl_loss(p, b, cfg=CFG, ls=LossSettings.of(rc))
+    return num / jnp.maximum(la.count, 1.0)
+
+  loss = jax.jit(_loss, static_argnums=2)
   np.testing.assert_allclose(float(loss(params, batch, RC)), float(loss(params, batch, plain)), rtol=1e-6)
   # One update (plain SGD: this checks the replaying step, not the optimizer), with rewards that differ
   # within each group so the policy gradient is not zero.
-  batch["rewards"] = jnp.asarray([1.0, 0.0] * (len(trajs) // 2), jnp.float32)
+  batch = batch.replace(rewards=jnp.asarray([1.0, 0.0] * (len(trajs) // 2), jnp.float32))
   tx = optax.sgd(1e-2)
   fresh = jax.tree.map(jnp.copy, params)  # the step donates its state
   state = TrainState(step=jnp.zeros((), jnp.int32), params=fresh, opt_state=tx.init(fresh))
-  step = rl_step.make_rl_step(CFG, tx, optax.constant_schedule(1e-2), RC, with_feedback=False)
+  step = make_step(rl_step.loss_fn(CFG, LossSettings.of(RC)), tx, CFG, schedule=optax.constant_schedule(1e-2))
   state, m = step(state, batch)
   assert int(state.step) == 1 and int(m["skipped"]) == 0
   assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
   with pytest.raises(ValueError, match="routing_replay"):
-    rl_loss_lib.rl_loss(params, CFG, {k: v for k, v in batch.items() if k != "routed_experts"}, RC, False)
+    _loss(params, batch.replace(routed_experts=None), RC)
   unrecorded = chat.Trajectory()
   unrecorded.add_prompt([1, 2], chat.USER)
-  assert unrecorded.routed_experts is None and "routed_experts" not in rl_batch_lib.rl_batch(
-    [unrecorded], [0]
-  )
+  assert unrecorded.routed_experts is None and rl_batch_lib.rl_batch([unrecorded], [0]).routed_experts is None

@@ -21,6 +21,7 @@ import pytest
 import tiny
 
 from composer_jax.synth import sandbox
+from composer_jax.train import metrics
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CONFIG = "--config=tests/small_experiment.py"
@@ -141,7 +142,12 @@ def test_raising_steps_trains_on_and_a_refused_change_damages_nothing(straight, 
   assert "continuing in place" in more.stderr and "re-derived over 6 steps, not 4" in more.stderr
   extended = json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"]
   assert (extended["start_step"], extended["steps"]) == (4, 6)
-  assert extended["first_train_loss"] == marker["summary"]["first_train_loss"]  # the whole run's first loss
+  # The summary covers the steps this run trained (5 and 6); the metrics file has every step.
+  logged = {
+    r["step"]: r["loss"] for r in metrics.read_history(tmp_path / "metrics" / "metrics.jsonl", "loss")
+  }
+  assert sorted(logged) == [1, 2, 3, 4, 5, 6] and logged[1] == marker["summary"]["first_train_loss"]
+  assert (extended["first_train_loss"], extended["last_train_loss"]) == (logged[5], logged[6])
 
   refused = _run(tmp_path, corpus_dir, "--config.train.steps=6", "--config.optim.learning_rate=0.5")
   last = refused.stderr.strip().splitlines()[-1]

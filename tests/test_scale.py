@@ -24,7 +24,7 @@ import pytest
 
 from composer_jax import configs, model, sharding
 from composer_jax.train import metrics
-from composer_jax.train import pretrain as pt
+from composer_jax.train.batch import TokenBatch, place
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _EXPERIMENT = _ROOT / "experiments" / "composer25.py"
@@ -109,18 +109,23 @@ def test_the_check_catches_a_mesh_that_does_not_divide():
   assert not any("mesh" in p and "devices, not" in p for p in problems), problems
 
 
-def test_global_batch_on_one_process_is_device_put(meshes):
+def test_placed_batch_splits_rows_over_replica_fsdp_and_time_over_context(meshes):
   rng = np.random.default_rng(0)
-  batch = {k: rng.integers(0, 100, (8, 16)).astype(np.int32) for k in ("tokens", "segment_ids", "positions")}
-  got = pt.global_batch(batch, meshes)
-  want = jax.device_put(batch, pt.batch_sharding(meshes))
-  for k in batch:
-    assert got[k].sharding == want[k].sharding, k
-    np.testing.assert_array_equal(np.asarray(got[k]), batch[k])
-    for a, b in zip(got[k].addressable_shards, want[k].addressable_shards, strict=True):
+  rows = {k: rng.integers(0, 100, (8, 16)).astype(np.int32) for k in ("tokens", "segment_ids", "positions")}
+  got = place(TokenBatch.of(rows), meshes)
+  want = jax.device_put(rows["tokens"], sharding.activation_sharding(("batch", "seq"), meshes))
+  for k in rows:
+    x = getattr(got, k)
+    assert x.sharding == want.sharding, k
+    np.testing.assert_array_equal(np.asarray(x), rows[k])
+    for a, b in zip(x.addressable_shards, want.addressable_shards, strict=True):
       assert a.device == b.device and a.index == b.index, k
-  single = pt.global_batch(batch, None)
-  np.testing.assert_array_equal(np.asarray(single["tokens"]), batch["tokens"])
+  assert got.target_mask is None
+  per_row = place(np.arange(8, dtype=np.float32), meshes)  # [B]: rows only; 7 rows: replicated
+  assert per_row.sharding.spec == jax.sharding.PartitionSpec(("replica", "fsdp"))
+  assert place(np.arange(7), meshes).sharding.spec == jax.sharding.PartitionSpec(None)
+  single = place(TokenBatch.of(rows), None)
+  np.testing.assert_array_equal(np.asarray(single.tokens), rows["tokens"])
 
 
 def test_metrics_writer_off_the_first_process_writes_nothing(tmp_path):

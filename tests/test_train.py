@@ -22,8 +22,10 @@ import tiny
 from tiny import TINY
 
 from composer_jax import model, pipeline, train
-from composer_jax.train import checkpoint
+from composer_jax.train import checkpoint, loop
 from composer_jax.train import pretrain as pt
+from composer_jax.train.batch import TokenBatch, place
+from composer_jax.train.step import forward_nll, make_step, next_token_loss
 
 CFG = dataclasses.replace(TINY, vocab_size=272)  # the byte tokenizer's 267 ids fit
 _EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
@@ -152,7 +154,8 @@ def test_packed_loss_equals_unpacked_documents():
   """Packed mean loss = token-weighted mean over the documents run alone (one per row, from column 0)."""
   params = model.init(CFG, jax.random.key(0))
   batch, docs = _packed_batch()
-  packed, (_, count, _) = jax.jit(pt.loss_fn, static_argnums=(1, 3))(params, CFG, batch, None)
+  nll, count, _ = jax.jit(lambda p, b: forward_nll(p, CFG, b, None))(params, TokenBatch.of(batch))
+  packed = nll / count
   tokens = np.zeros((len(docs), 16), np.int32)
   for i, doc in enumerate(docs):
     tokens[i, : len(doc)] = doc
@@ -168,13 +171,14 @@ def test_nan_guard_keeps_the_state(meshes):
   tx = optax.adamw(1e-2)
   state = train.create_state(CFG, tx, jax.random.key(0), meshes)
   before = jax.device_get(state)
-  step = pt.make_train_step(
-    CFG, tx, optax.constant_schedule(1e-2), train.state.state_shardings(state), meshes, router_bias_rate=1e-3
-  )
+  step = make_step(
+    next_token_loss(CFG, meshes), tx, CFG, schedule=optax.constant_schedule(1e-2), meshes=meshes,
+    state_sharding=train.state.state_shardings(state), router_bias_rate=1e-3,
+  )  # fmt: skip
   batch, _ = _packed_batch()
   batch = {k: np.tile(v[:, :8], (4, 2)) for k, v in batch.items()}
   batch["tokens"][0, 0] = CFG.vocab_size  # out of range: NaN logits inside jit
-  state, m = step(state, batch)
+  state, m = step(state, place(TokenBatch.of(batch), meshes))
   assert int(m["skipped"]) == 1 and not np.isfinite(float(m["loss"]))
   assert int(state.step) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), before.params)
@@ -219,19 +223,20 @@ def test_interrupt_finishes_the_step_in_flight_then_saves(tmp_path, signum):
 
   saves = []
   state = train.TrainState(step=jnp.zeros((), jnp.int32), params={}, opt_state={})
-  tcfg = pt.TrainConfig(steps=10, log_every=1, eval_every=100, checkpoint_every=2)
   writer = train.metrics.MetricsWriter(tmp_path)
 
   def save(s, data_state, force):
     saves.append((int(s.step), data_state, force))
 
   handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
-  state, summary = pt.fit(
-    state, train_step, lambda p, b: (jnp.ones(()), jnp.ones(())), _Batches(stop_at=4, signum=signum), [],
-    tcfg, meshes=None, writer=writer, save=save,
+  hooks = pt.hooks(
+    _Batches(stop_at=4, signum=signum), lambda p, b: (jnp.ones(()), jnp.ones(())), [], meshes=None,
+    peak_flops=1.0, writer=writer, save=save,
   )  # fmt: skip
+  schedule = loop.Schedule(steps=10, log_every=1, eval_every=100, checkpoint_every=2)
+  state, result = loop.fit(state, train_step, schedule, hooks, name="pretrain")
   writer.close()
-  assert summary["interrupted"] and summary["steps"] == 4 and int(state.step) == 4
+  assert result.interrupted and result.steps == 4 and int(state.step) == 4
   assert saves == [(2, {"index": 2}, False), (4, {"index": 4}, False), (4, {"index": 4}, True)]
   assert [m["step"] for m in train.metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
   assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers

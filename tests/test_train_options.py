@@ -16,7 +16,9 @@ from tiny import TINY
 from composer_jax import model, optim, train
 from composer_jax.model import rope
 from composer_jax.model.layers import rms_norm
-from composer_jax.train import pretrain as pt
+from composer_jax.train import step as step_lib
+from composer_jax.train.batch import TokenBatch, place
+from composer_jax.train.step import forward_nll, make_step, next_token_loss
 
 ONE_LAYER = dataclasses.replace(TINY, n_layers=1, first_k_dense=1)  # a clip can't move later layers
 
@@ -85,9 +87,13 @@ def test_max_logit_matches_naive_attention_and_qk_clip_caps_it():
   np.testing.assert_allclose(optim.clip_factors(jnp.asarray([[250.0, 50.0, -3.0]]), 100.0), [[0.4, 1.0, 1.0]])
 
 
+def _mean_loss(p, cfg, batch):
+  nll, count, _ = forward_nll(p, cfg, TokenBatch.of(batch), None)
+  return nll / count
+
+
 def _grads(cfg, params, batch):
-  loss = lambda p: pt.loss_fn(p, cfg, batch, None)[0]  # noqa: E731
-  return jax.jit(jax.grad(loss))(params)
+  return jax.jit(jax.grad(lambda p: _mean_loss(p, cfg, batch)))(params)
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
@@ -96,23 +102,18 @@ def test_remat_same_gradients_and_really_rematerialises(policy):
   params, batch = model.init(TINY, jax.random.key(0)), _batch(TINY, B=2)
   ref, got = _grads(TINY, params, batch), _grads(cfg, params, batch)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7), ref, got)
-  jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: pt.loss_fn(p, cfg, batch, None)[0]))(params))
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: _mean_loss(p, cfg, batch)))(params))
   assert "remat" in jaxpr or "checkpoint" in jaxpr
-  assert "remat" not in str(jax.make_jaxpr(jax.grad(lambda p: pt.loss_fn(p, TINY, batch, None)[0]))(params))
+  assert "remat" not in str(jax.make_jaxpr(jax.grad(lambda p: _mean_loss(p, TINY, batch)))(params))
 
 
 def _step(cfg, meshes, tx, **kwargs):
   state = train.create_state(cfg, tx, jax.random.key(0), meshes)
-  step = pt.make_train_step(
-    cfg,
-    tx,
-    optax.constant_schedule(1e-2),
-    train.state.state_shardings(state),
-    meshes,
-    router_bias_rate=1e-3,
-    **kwargs,
-  )
-  return state, step
+  step = make_step(
+    next_token_loss(cfg, meshes), tx, cfg, schedule=optax.constant_schedule(1e-2), meshes=meshes,
+    state_sharding=train.state.state_shardings(state), router_bias_rate=1e-3, **kwargs,
+  )  # fmt: skip
+  return state, lambda st, batch: step(st, place(TokenBatch.of(batch), meshes))
 
 
 def _muon_tx(cfg, meshes):
@@ -166,7 +167,7 @@ def test_update_rms_traces_past_two_billion_elements():
     "b": jax.ShapeDtypeStruct((2**16,), jnp.float32),
   }
   labels = {"a": "muon", "b": "muon"}
-  out = jax.eval_shape(lambda t: pt._rms(t, labels, "muon"), big)
+  out = jax.eval_shape(lambda t: step_lib._rms(t, labels, "muon"), big)
   assert out.shape == () and out.dtype == jnp.float32
   small = {"a": jnp.full((3, 4), 2.0), "b": jnp.zeros((4,))}
-  np.testing.assert_allclose(pt._rms(small, labels, "muon"), np.sqrt(48 / 16), rtol=1e-6)
+  np.testing.assert_allclose(step_lib._rms(small, labels, "muon"), np.sqrt(48 / 16), rtol=1e-6)

@@ -11,7 +11,6 @@ from composer_jax.model.moe import update_router_bias
 from composer_jax.model.transformer import (
   abstract_params,
   apply,
-  greedy_decode,
   init,
   init_cache,
   layer_slot,
@@ -26,7 +25,6 @@ __all__ = [
   "RopeConfig",
   "abstract_params",
   "apply",
-  "greedy_decode",
   "init",
   "init_cache",
   "layer_slot",

@@ -337,25 +337,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
   }
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_tokens", "meshes"))
-def greedy_decode(
-  params: dict, cfg: ModelConfig, prompt: jax.Array, num_tokens: int, meshes: sharding.Meshes | None = None
-) -> jax.Array:
-  """Argmax continuation [B, num_tokens] of a prompt [B, T]: one prefill, then a compiled loop."""
-  B, T = prompt.shape
-  cache = init_cache(cfg, B, T + num_tokens)
-  logits, aux = apply(params, cfg, prompt, cache=cache, meshes=meshes)
-  first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-
-  def step(carry, _):
-    token_B, cache = carry
-    logits, aux = apply(params, cfg, token_B[:, None], cache=cache, meshes=meshes)
-    return (jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), aux["cache"]), token_B
-
-  _, tokens = jax.lax.scan(step, (first, aux["cache"]), length=num_tokens)
-  return tokens.T
-
-
 def _check_tokens(tokens: jax.Array, cfg: ModelConfig) -> None:
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(

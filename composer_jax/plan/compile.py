@@ -34,7 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import configs, model, optim, sharding
 from composer_jax.plan import core, report
-from composer_jax.train import pretrain
+from composer_jax.train import step as step_lib
+from composer_jax.train.batch import TokenBatch
 from composer_jax.train.state import TrainState
 
 LIBTPU_HINT = (
@@ -109,12 +110,16 @@ def lower_train_step(config: configs.Config, meshes: sharding.Meshes) -> jax.sta
   ocfg = configs.pretrain_optimizer(config)
   tx = optim.build_optimizer(cfg, ocfg, meshes)
   state = abstract_train_state(cfg, tx, meshes)
-  step = pretrain.make_train_step(
-    cfg, tx, optim.lr_schedule(ocfg), jax.tree.map(lambda x: x.sharding, state), meshes,
-    router_bias_rate=tcfg.router_bias_rate, grad_accum=tcfg.grad_accum, qk_clip_tau=ocfg.qk_clip_tau,
-  )  # fmt: skip
   shape = (tcfg.batch_size, tcfg.seq_len)
-  batch = _abstract_batch({k: (shape, np.int32) for k in ("tokens", "segment_ids", "positions")}, meshes)
+  batch = TokenBatch(
+    **_abstract_batch({k: (shape, np.int32) for k in ("tokens", "segment_ids", "positions")}, meshes)
+  )
+  step = step_lib.make_step(
+    step_lib.next_token_loss(cfg, meshes), tx, cfg, schedule=optim.lr_schedule(ocfg), meshes=meshes,
+    state_sharding=jax.tree.map(lambda x: x.sharding, state),
+    batch_sharding=jax.tree.map(lambda x: x.sharding, batch), router_bias_rate=tcfg.router_bias_rate,
+    qk_clip_tau=ocfg.qk_clip_tau, grad_accum=tcfg.grad_accum,
+  )  # fmt: skip
   return step.lower(state, batch)
 
 
@@ -126,14 +131,20 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
 
   cfg, r = config.model, config.rl
   ocfg = configs.stage_optimizer(config.optim, r.steps, lr=r.lr, warmup=r.warmup_steps, min_lr_ratio=1.0)
+  from composer_jax.rl.loss import LossSettings  # noqa: PLC0415
+
   tx = optim.build_optimizer(cfg, ocfg, meshes)
   state = abstract_train_state(cfg, tx, meshes)
-  step = rl_step.make_rl_step(cfg, tx, optim.lr_schedule(ocfg), r, with_feedback=False)
+  step = step_lib.make_step(
+    rl_step.loss_fn(cfg, LossSettings.of(r), meshes), tx, cfg, schedule=optim.lr_schedule(ocfg),
+    meshes=meshes, state_sharding=jax.tree.map(lambda x: x.sharding, state),
+    router_bias_rate=r.router_bias_rate,
+  )  # fmt: skip
   rows, cols = r.problems_per_step * r.group_size, rl_batch.bucket(r.cache_len, 64)
   grid = {k: ((rows, cols), np.int32) for k in ("tokens", "positions", "segment_ids")}
   grid |= {k: ((rows, cols), np.float32) for k in ("loss_mask", "sampler_logprobs")}
   per_row = {"rewards": ((rows,), np.float32), "group_ids": ((rows,), np.int32)}
-  return step.lower(state, _abstract_batch(grid | per_row, meshes))
+  return step.lower(state, rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes)))
 
 
 def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:

@@ -3,16 +3,20 @@
 Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, L teacher tokens
 (hint + turn), N tokens of the flagged turn.
 
-  batch = rl_batch(trajs, group_ids, infos, with_feedback=True, rules=rules)
+  batch = rl_batch(trajs, group_ids, infos, with_feedback=True, rules=rules)   # an RLBatch
 
-Shapes are bucketed to powers of two (`bucket`), so a run compiles a handful of step programs.
+Shapes are bucketed to powers of two (`bucket`), so a run compiles a handful of step programs. A batch
+without flagged turns has `feedback=None`: another tree structure, so the same jitted step compiles a
+program without the teacher for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+from flax import struct
 
 from composer_jax.configs import RLConfig
 from composer_jax.data.tokenizer import Tokenizer
@@ -20,17 +24,33 @@ from composer_jax.rl import chat, feedback
 
 _RULES = feedback.FeedbackRules()
 
-# The arrays of a batch without feedback (what a step without the teacher takes).
-BASE_KEYS = (
-  "tokens",
-  "positions",
-  "segment_ids",
-  "loss_mask",
-  "sampler_logprobs",
-  "rewards",
-  "group_ids",
-  "routed_experts",
-)
+
+@struct.dataclass
+class FeedbackBatch:
+  """The teacher's inputs for the flagged rows (see `feedback_arrays`)."""
+
+  fb_rows: Any  # int32 [F]: the batch row each teacher row belongs to (padding rows: 0)
+  teacher_tokens: Any  # int32 [F, L]: hint + turn k, right-padded
+  teacher_lengths: Any  # int32 [F]: 0 for padding rows
+  hint_start: Any  # int32 [F]: student slots at positions ≥ it are hidden from the teacher
+  fb_cols: Any  # int32 [F, N]: student column t = p - 1 of each sampled token p of turn k
+  teacher_cols: Any  # int32 [F, N]: the teacher extension's column aligned with it
+  fb_mask: Any  # float32 [F, N]
+
+
+@struct.dataclass
+class RLBatch:
+  """One RL step's trajectories, padded to [B, T]."""
+
+  tokens: Any  # int32 [B, T]
+  positions: Any  # int32 [B, T]
+  segment_ids: Any  # int32 [B, T]
+  loss_mask: Any  # float32 [B, T]: 1 on the model's sampled tokens
+  sampler_logprobs: Any  # float32 [B, T]: the sampler's log π of those tokens
+  rewards: Any  # float32 [B]
+  group_ids: Any  # int32 [B]
+  routed_experts: Any = None  # int16 [B, T, MoE layers, top_k] (routing replay), -1 where unknown
+  feedback: FeedbackBatch | None = None  # the teacher's inputs; None: no flagged turn (or λ = 0)
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -44,9 +64,9 @@ def feedback_rules(rcfg: RLConfig) -> feedback.FeedbackRules:
   return feedback.FeedbackRules(kinds=kinds) if kinds else _RULES
 
 
-def without_feedback(batch: dict) -> dict:
+def without_feedback(batch: RLBatch) -> RLBatch:
   """The batch for the step without the teacher (λ = 0, or no turn was flagged)."""
-  return {k: v for k, v in batch.items() if k in BASE_KEYS}
+  return batch.replace(feedback=None)
 
 
 def feedback_arrays(
@@ -58,7 +78,7 @@ def feedback_arrays(
   *,
   variant: str = "task",
   rows_cap: int = 0,
-) -> dict[str, np.ndarray]:
+) -> FeedbackBatch:
   """Teacher inputs for the flagged rows only: F = bucket(#flagged, 16) teacher rows, padding rows empty;
   with `rows_cap` > 0 exactly F = rows_cap (flagged rows beyond it are left out, the first ones kept), so
   the step compiles once per sequence bucket (each compilation costs ~30 s on 2 cores).
@@ -104,7 +124,7 @@ def feedback_arrays(
     out["fb_cols"][f, :n] = t.student_positions - 1
     out["teacher_cols"][f, :n] = t.teacher_positions - 1 - t.hint_start
     out["fb_mask"][f, :n] = 1.0
-  return out
+  return FeedbackBatch(**out)
 
 
 def rl_batch(
@@ -118,7 +138,7 @@ def rl_batch(
   variant: str = "task",
   rows_cap: int = 0,
   min_len: int = 64,
-) -> dict[str, np.ndarray]:
+) -> RLBatch:
   """`chat.to_arrays` (padded to a power of two, at least `min_len`) + group ids (+ `feedback_arrays`).
 
   Trajectories that carry `routed_experts` (collected with routing_replay) add routed_experts
@@ -126,17 +146,16 @@ def rl_batch(
   """
   pad_to = bucket(max(len(t) for t in trajs), min_len)
   a = chat.to_arrays(trajs, pad_to, tok.pad_id)
-  batch = {
-    k: a[k] for k in ("tokens", "positions", "segment_ids", "loss_mask", "sampler_logprobs", "rewards")
-  }
-  batch["group_ids"] = np.asarray(group_ids, np.int32)
+  keys = ("tokens", "positions", "segment_ids", "loss_mask", "sampler_logprobs", "rewards")
+  batch = RLBatch(**{k: a[k] for k in keys}, group_ids=np.asarray(group_ids, np.int32))
   recorded = [t.routed_experts for t in trajs if t.routed_experts is not None]
   if recorded:
     routed_BTLK = np.full((len(trajs), pad_to, *recorded[0].shape[1:]), -1, np.int16)
     for b, t in enumerate(trajs):
       if t.routed_experts is not None:
         routed_BTLK[b, : len(t.routed_experts)] = t.routed_experts
-    batch["routed_experts"] = routed_BTLK
+    batch = batch.replace(routed_experts=routed_BTLK)
   if with_feedback:
-    batch |= feedback_arrays(trajs, infos, pad_to, rules, tok, variant=variant, rows_cap=rows_cap)
+    fb = feedback_arrays(trajs, infos, pad_to, rules, tok, variant=variant, rows_cap=rows_cap)
+    batch = batch.replace(feedback=fb)
   return batch

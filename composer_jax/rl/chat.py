@@ -62,14 +62,14 @@ CHAT_TOKENS = tuple(t for t in SPECIAL_TOKENS if t not in ("<|pad|>", "<|bos|>",
 
 @functools.cache
 def tokenizer(name: str = "byte") -> Tokenizer:
-  """The tokenizer `rl.tokenizer` names: "byte", or a checkpoint directory with a `tokenizer.json`
-  (`init_from`), which must have every token of `CHAT_TOKENS` (ValueError naming those it lacks)."""
+  """The tokenizer `data.tokenizer` names ("byte", "bpe", a tokenizers json, or a checkpoint directory with
+  a `tokenizer.json`), which must have every token of `CHAT_TOKENS` (ValueError naming those it lacks)."""
   if name == "byte":
     return BYTE_TOKENIZER
-  from composer_jax.data.tokenizer import HFTokenizer
+  from composer_jax.data import tokenizer as tokenizers
 
-  tok = HFTokenizer(name)
-  missing = tok.missing(CHAT_TOKENS)
+  tok = tokenizers.load(name)
+  missing = tok.missing(CHAT_TOKENS) if hasattr(tok, "missing") else []
   if missing:
     raise ValueError(
       f"the tokenizer of {name} has no {', '.join(missing)} token: the sft/gate/rl turn format needs each "

@@ -3,7 +3,7 @@ before any RL: a teacher no better than the student has nothing to distil.
 
 Shape suffixes: B batch (rows), T time, N tokens of a turn, V vocab.
 
-  report = run(params, cfg, rcfg, gcfg)       # rollouts -> flagged turns -> resampled turns -> G1..G5
+  report = run(params, cfg, rcfg, gcfg, tok, meshes)   # rollouts -> flagged turns -> resamples -> G1..G5
 
 On ≥ `gcfg.min_flagged` flagged turns (the first of each rollout, as the RL step uses), each turn is
 resampled `gcfg.samples` times at the rollout temperature from four contexts that differ only in the
@@ -38,6 +38,7 @@ from composer_jax.configs import GateConfig, RLConfig
 from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from composer_jax.rl import chat, feedback, sampler, stats
 from composer_jax.rl.batch import bucket, feedback_rules
+from composer_jax.rl.engine import KVCacheSampler
 from composer_jax.rl.rollout import collect
 
 TOK = chat.BYTE_TOKENIZER
@@ -117,16 +118,20 @@ class Flagged:
     return self.traj.tokens[:s] + self.hints[condition] + [self.traj.tokens[s]]
 
 
-def collect_flagged(params: Any, cfg: model.ModelConfig, rcfg: RLConfig, gcfg: GateConfig):
+def collect_flagged(
+  params: Any, cfg: model.ModelConfig, rcfg: RLConfig, gcfg: GateConfig, tok: Tokenizer, meshes: Any = None
+):
   """Rollouts of fresh problems (seeds from `gcfg.seed`) until ≥ min_flagged first-flagged turns.
   Returns (all trajectories, their envs, the Flagged list)."""
   from composer_jax.rl.envs import factories
 
-  rules, tok = feedback_rules(rcfg), chat.tokenizer(rcfg.tokenizer)
+  rules = feedback_rules(rcfg)
+  engine = KVCacheSampler(cfg, rcfg, tok, meshes)
+  engine.update_weights(params)
   trajs, env_all, flagged = [], [], []
   for i in range(gcfg.max_batches):
     env_list, seeds = factories.fixed_set(rcfg, gcfg.rollouts_per_batch, seed=gcfg.seed + i)
-    batch = collect(params, cfg, env_list, seeds, jax.random.key(gcfg.seed + i), rcfg)
+    batch = collect(engine, env_list, seeds, jax.random.key(gcfg.seed + i), rcfg, tok)
     for traj, env in zip(batch, env_list, strict=True):
       found = feedback.detect(traj, env.info(), rules, tok) if traj.status != chat.FAILED else []
       if found:
@@ -156,12 +161,12 @@ def _padded(rows: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.n
 
 def resample_valid(
   params: Any, cfg: model.ModelConfig, rcfg: RLConfig, contexts: Sequence[list[int]], envs: Sequence[Any],
-  samples: int, key: jax.Array, chunk: int = 256,
+  samples: int, key: jax.Array, tok: Tokenizer, meshes: Any = None, chunk: int = 256,
 ) -> np.ndarray:  # fmt: skip
   """[len(contexts), samples] bool: does `envs[i]` accept the call of a turn sampled after context i?"""
   rows = [(i, c) for i, c in enumerate(contexts) for _ in range(samples)]
   P = bucket(max(len(c) for c in contexts), 64)
-  N, tok = rcfg.max_turn_tokens, chat.tokenizer(rcfg.tokenizer)
+  N = rcfg.max_turn_tokens
   ok = np.zeros(len(rows), bool)
   for start in range(0, len(rows), chunk):
     part = rows[start : start + chunk]
@@ -169,7 +174,7 @@ def resample_valid(
     toks, lens = _padded([c for _, c in part], P)
     out = sampler.sample(
       params, cfg, toks, lens, jax.random.fold_in(key, start), max_new_tokens=N, temperature=rcfg.temperature,
-      top_k=rcfg.top_k, stop_tokens=chat.stop_ids(tok), pad_id=tok.pad_id,
+      top_k=rcfg.top_k, stop_tokens=chat.stop_ids(tok), pad_id=tok.pad_id, meshes=meshes,
     )  # fmt: skip
     ids_BN, n_B = jax.device_get((out.tokens, out.lengths))
     for b in range(min(chunk, len(rows) - start)):
@@ -181,25 +186,28 @@ def resample_valid(
 # ---- the decision token ------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _log_softmax(params: Any, cfg: model.ModelConfig, tokens_BT: jax.Array) -> jax.Array:
-  return jax.nn.log_softmax(model.apply(params, cfg, tokens_BT)[0].astype(jnp.float32), -1)
+@functools.partial(jax.jit, static_argnames=("cfg", "meshes"))
+def _log_softmax(params: Any, cfg: model.ModelConfig, tokens_BT: jax.Array, meshes: Any = None) -> jax.Array:
+  logits_BTV = model.apply(params, cfg, tokens_BT, meshes=meshes)[0]
+  return jax.nn.log_softmax(logits_BTV.astype(jnp.float32), -1)
 
 
-def _logp_rows(params: Any, cfg: model.ModelConfig, rows: Sequence[Sequence[int]], chunk: int = 64) -> list:
+def _logp_rows(
+  params: Any, cfg: model.ModelConfig, rows: Sequence[Sequence[int]], meshes: Any = None, chunk: int = 64
+) -> list:
   """log-softmax [len(row), V] of every row (float32, numpy), in padded chunks."""
   T = bucket(max(len(r) for r in rows), 64)
   out = []
   for start in range(0, len(rows), chunk):
     part = list(rows[start : start + chunk])
     toks, lens = _padded(part + [part[-1]] * (chunk - len(part)), T)
-    logp_BTV = np.asarray(_log_softmax(params, cfg, jnp.asarray(toks)))
+    logp_BTV = np.asarray(_log_softmax(params, cfg, jnp.asarray(toks), meshes))
     out += [logp_BTV[b, : int(lens[b])] for b in range(len(part))]
   return out
 
 
 def decision_stats(
-  params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagged], tok: Tokenizer = TOK
+  params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagged], tok: Tokenizer = TOK, meshes: Any = None
 ) -> list[dict]:
   """Per flagged turn with a decision token j: p(mistake) under student and teacher, valid mass at j
   and on the valid prefix (positions < j) under both."""
@@ -213,9 +221,11 @@ def decision_stats(
       items.append((f, pos, ids, j))
   if not items:
     return []
-  student = _logp_rows(params, cfg, [f.traj.tokens[:e] for f, *_ in items for e in [f.traj.spans[f.k][1]]])
+  student = _logp_rows(
+    params, cfg, [f.traj.tokens[:e] for f, *_ in items for e in [f.traj.spans[f.k][1]]], meshes
+  )
   teacher_rows = [feedback.teacher_inputs(f.traj, f.k, f.hints["task"]).tokens.tolist() for f, *_ in items]
-  teacher = _logp_rows(params, cfg, teacher_rows)
+  teacher = _logp_rows(params, cfg, teacher_rows, meshes)
   out = []
   for (f, pos, ids, j), ls, lt in zip(items, student, teacher, strict=True):
     sh, arity = len(f.hints["task"]), _arity(f.env)
@@ -307,19 +317,21 @@ def evaluate(
   return out
 
 
-def run(params: Any, cfg: model.ModelConfig, rcfg: RLConfig, gcfg: GateConfig) -> dict:
+def run(
+  params: Any, cfg: model.ModelConfig, rcfg: RLConfig, gcfg: GateConfig, tok: Tokenizer, meshes: Any = None
+) -> dict:
   """Collect, resample, score the decision tokens and evaluate the gates (see the module docstring)."""
-  trajs, envs, flagged = collect_flagged(params, cfg, rcfg, gcfg)
+  trajs, envs, flagged = collect_flagged(params, cfg, rcfg, gcfg, tok, meshes)
   if not flagged:
     return {"passed": False, "flagged": 0, "rollouts": len(trajs), "gates": {}, "why": "no flagged turn"}
   contexts = [f.context(c) for c in CONDITIONS for f in flagged]
   ok = resample_valid(
     params, cfg, rcfg, contexts, [f.env for _ in CONDITIONS for f in flagged], gcfg.samples,
-    jax.random.key(gcfg.seed),
+    jax.random.key(gcfg.seed), tok, meshes,
   )  # fmt: skip
   F = len(flagged)
   valid = {c: ok[i * F : (i + 1) * F].mean(1) for i, c in enumerate(CONDITIONS)}
-  decisions = decision_stats(params, cfg, flagged, chat.tokenizer(rcfg.tokenizer))
+  decisions = decision_stats(params, cfg, flagged, tok, meshes)
   rows = {id(f.traj) for f in flagged}
   report = evaluate(valid, decisions, trajs, {i for i, t in enumerate(trajs) if id(t) in rows}, gcfg)
   kinds = sorted({f.kind for f in flagged})

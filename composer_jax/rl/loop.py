@@ -1,6 +1,7 @@
-"""The RL loop: rollouts → batch → step, in `train.loop`, with fixed-set evaluations.
+"""The hooks that make `train.loop.fit` RL: rollouts → batch at every step, fixed-set evaluations.
 
-  state, summary = fit(state, {False: step, True: step_fb}, make_envs, cfg, rcfg, evaluate=...)
+  hooks = rl.loop.hooks(make_envs, cfg, rcfg, tok, meshes=meshes, evaluate=...)
+  state, result = train.loop.fit(state, step, train.loop.Schedule(rcfg.steps, ...), hooks, name="rl")
 
 Each step s draws its problems and sampling key as pure functions of (seed, s) (`make_envs(s)`), so a
 resumed run continues the same run. A step whose rollouts or update raise is logged, counted in
@@ -16,13 +17,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from composer_jax import model
+from composer_jax import model, sharding
 from composer_jax.configs import RLConfig
-from composer_jax.rl import chat, envs, feedback
-from composer_jax.rl.batch import feedback_rules, rl_batch, without_feedback
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.rl import envs, feedback
+from composer_jax.rl.batch import RLBatch, feedback_rules, rl_batch, without_feedback
+from composer_jax.rl.engine import KVCacheSampler, Rollout
 from composer_jax.rl.rollout import collect, rollout_stats
+from composer_jax.train import batch as batch_lib
 from composer_jax.train import loop
-from composer_jax.train import metrics as metrics_lib
 from composer_jax.train.state import TrainState
 
 EnvFactory = Callable[[int], tuple[list[envs.Env], list[int], list[int]]]
@@ -37,75 +40,63 @@ def _describe(r: dict) -> str:
   )
 
 
-def fit(
-  state: TrainState,
-  steps: dict[bool, Callable],
+def hooks(
   make_envs: EnvFactory,
   cfg: model.ModelConfig,
   rcfg: RLConfig,
+  tok: Tokenizer,
   *,
-  writer: metrics_lib.MetricsWriter | None = None,
-  save: Callable[[TrainState, bool], None] | None = None,
-  check: Callable[[], None] | None = None,
+  meshes: sharding.Meshes | None = None,
   rules: feedback.FeedbackRules | None = None,
+  engine: Rollout | None = None,
   evaluate: Callable[[Any], dict[str, float]] | None = None,
-  name: str = "rl",
-) -> tuple[TrainState, dict]:
-  """RL from `state.step` to `rcfg.steps`. `steps[True]`/`steps[False]`: the step with/without the
-  teacher. `make_envs(step)` gives (envs, seeds, group ids) for the step's P × G rollouts.
-
-  `evaluate(params)` (with `rcfg.eval_every` > 0) scores the policy on a fixed problem set before the
-  first step and every `eval_every` steps: the per-step training reward mixes policy and problem
-  difficulty (each step draws new problems), the fixed set separates them."""
+  save: Callable[[TrainState, bool], None] | None = None,
+  **common: Any,
+) -> loop.Hooks:
+  """RL's hooks: the step's P × G rollouts (`make_envs(step)` gives envs, seeds, group ids) sampled by
+  the current params through `engine` (default: the KV-cache sampler on `meshes`), their batch (with the
+  teacher's inputs when λ > 0), and the progress line. `evaluate(params)` scores the policy on a fixed
+  problem set before the first step and every `eval_every` steps: the per-step training reward mixes
+  policy and problem difficulty (each step draws new problems), the fixed set separates them. `common`:
+  the stage-independent hooks (check, writer)."""
   rules = feedback_rules(rcfg) if rules is None else rules
   use_fb = rcfg.lambda_feedback > 0
+  engine = KVCacheSampler(cfg, rcfg, tok, meshes) if engine is None else engine
 
-  def next_batch(s: int, state: TrainState) -> tuple[dict, dict]:
+  def next_batch(s: int, state: TrainState) -> tuple[RLBatch, dict]:
     t0 = time.perf_counter()
     env_list, seeds, groups = make_envs(s)
     key = jax.random.fold_in(jax.random.key(rcfg.seed), s)
-    trajs = collect(state.params, cfg, env_list, seeds, key, rcfg)
+    engine.update_weights(state.params)  # the policy after the last update
+    trajs = collect(engine, env_list, seeds, key, rcfg, tok)
     stats = rollout_stats(trajs) | {"rollout_s": time.perf_counter() - t0}
     infos = [e.info() for e in env_list]
     cap = rcfg.feedback_rows
     batch = rl_batch(
-      trajs, groups, infos, with_feedback=use_fb, rules=rules, variant=rcfg.hint, rows_cap=cap,
-      tok=chat.tokenizer(rcfg.tokenizer),
+      trajs, groups, infos, with_feedback=use_fb, rules=rules, variant=rcfg.hint, rows_cap=cap, tok=tok,
       min_len=rcfg.batch_min_len,
     )  # fmt: skip
-    n_fb_rows = int(np.sum(batch["teacher_lengths"] > 0)) if use_fb else 0
+    n_fb_rows = int(np.sum(batch.feedback.teacher_lengths > 0)) if use_fb else 0
     stats["feedback_turns_per_rollout"] = n_fb_rows / len(trajs)
-    # With a fixed number of teacher rows, even a batch without a flagged turn takes the teacher's step
+    # With a fixed number of teacher rows, even a batch without a flagged turn keeps the teacher's inputs
     # (its feedback term is exactly 0): one program instead of two.
-    return (batch if n_fb_rows or (use_fb and cap) else without_feedback(batch)), stats
+    if use_fb and not (n_fb_rows or cap):
+      batch = without_feedback(batch)
+    return batch_lib.place(batch, meshes), stats
 
-  def step_fn(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    return steps["teacher_tokens" in batch](state, batch)  # the teacher's step only for flagged turns
-
-  hooks = loop.Hooks(
+  return loop.Hooks(
     next_batch=next_batch,
     describe=_describe,
     evaluate=None if evaluate is None or rcfg.eval_every <= 0 else _prefixed(evaluate),
     save=None if save is None else lambda st, step, final: save(st, final),
-    check=check,
-    writer=writer,
     tolerate_failures=True,
     sync=True,
+    **common,
   )
-  schedule = loop.Schedule(rcfg.steps, rcfg.log_every, rcfg.eval_every, rcfg.checkpoint_every)
-  state, r = loop.fit(state, step_fn, schedule, hooks, name=name)  # name: the arm in the log lines
-  evals = [
-    {"step": e["step"]} | {k.removeprefix("eval_"): v for k, v in e.items() if k != "step"} for e in r.evals
-  ]
-  return state, {
-    "start_step": r.start_step,
-    "steps": r.steps,
-    "interrupted": r.interrupted,
-    "failed_steps": r.failed_steps,
-    "history": r.history,
-    "evals": evals,
-    "seconds": r.seconds,
-  }
+
+
+def schedule(rcfg: RLConfig) -> loop.Schedule:
+  return loop.Schedule(rcfg.steps, rcfg.log_every, rcfg.eval_every, rcfg.checkpoint_every)
 
 
 def _prefixed(evaluate: Callable[[Any], dict[str, float]]) -> Callable[[TrainState], dict[str, float]]:

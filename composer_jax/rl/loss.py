@@ -25,14 +25,16 @@ own count" made one flagged token weigh ~312·λ RL tokens and the feedback grad
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from composer_jax import model
+from composer_jax import model, sharding
 from composer_jax.configs import RLConfig
 from composer_jax.rl import sampler
+from composer_jax.rl.batch import RLBatch
 from composer_jax.rl.divergence import token_divergence
 from composer_jax.rl.objectives import (
   advantages,
@@ -42,35 +44,63 @@ from composer_jax.rl.objectives import (
   policy_metrics,
 )
 from composer_jax.train.losses import token_logp
+from composer_jax.train.step import LossAux
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+  """The few static numbers the RL loss reads (a static jit argument: only these recompile the step)."""
+
+  objective: str = "drgrpo"  # rl.objectives.OBJECTIVES
+  advantage: str = "drgrpo"  # rl.objectives.ADVANTAGES
+  tis_cap: float = 2.0
+  max_len: int = 64  # Dr. GRPO's constant normaliser: the rollout's token budget (turns x tokens per turn)
+  dynamic_sampling: bool = False
+  routing_replay: bool = False
+  lambda_feedback: float = 0.0
+  feedback_mode: str = "loss"
+  divergence: str = "forward_kl"
+  divergence_top_k: int = 0
+  feedback_tokens: str = "first_divergence"
+  divergence_threshold: float = 1.0
+  feedback_clip: float = 2.0
+  live_teacher: bool = False  # the teacher is the current weights (reuses the student's prefix KV)
+
+  @classmethod
+  def of(cls, rcfg: RLConfig) -> LossSettings:
+    """The settings of an `rl` config section."""
+    same = {f.name: getattr(rcfg, f.name) for f in dataclasses.fields(cls) if hasattr(rcfg, f.name)}
+    return cls(**same, max_len=rcfg.max_turns * rcfg.max_turn_tokens, live_teacher=rcfg.teacher == "live")
 
 
 def student_forward(
-  params: Any, cfg: model.ModelConfig, batch: dict, extra_slots: int, routed_experts: jax.Array | None = None
+  params: Any,
+  cfg: model.ModelConfig,
+  rows: tuple[jax.Array, jax.Array, jax.Array],
+  extra_slots: int,
+  routed_experts: jax.Array | None = None,
+  meshes: sharding.Meshes | None = None,
 ) -> tuple[jax.Array, dict]:
-  """The training forward over the padded trajectories, with a cache of T + extra_slots slots that
-  holds every position's latents afterwards (aux["cache"]). Logits equal the cache-free forward.
-  routed_experts: the routing to replay, in `model.apply`'s layout (see `replayed_experts`)."""
-  B, T = batch["tokens"].shape
+  """The training forward over padded trajectories (tokens, positions, segment ids), with a cache of
+  T + extra_slots slots that holds every position's latents afterwards (aux["cache"]). Logits equal the
+  cache-free forward. routed_experts: the routing to replay, in `model.apply`'s layout."""
+  tokens_BT, pos_BT, seg_BT = rows
+  B, T = tokens_BT.shape
+  cache = model.init_cache(cfg, B, T + extra_slots)
   return model.apply(
-    params,
-    cfg,
-    batch["tokens"],
-    batch["positions"],
-    model.init_cache(cfg, B, T + extra_slots),
-    segment_ids=batch["segment_ids"],
-    routed_experts=routed_experts,
+    params, cfg, tokens_BT, pos_BT, cache, segment_ids=seg_BT, routed_experts=routed_experts, meshes=meshes
   )
 
 
-def replayed_experts(batch: dict, rcfg: RLConfig) -> jax.Array | None:
+def replayed_experts(batch: RLBatch, ls: LossSettings) -> jax.Array | None:
   """The sampler's experts as `model.apply(routed_experts=)` takes them, [L_moe, B, T, K]; None
   unless routing_replay (R3, arXiv 2510.11370: the training forward uses the inference engine's
   experts; the router still learns through the combine weights)."""
-  if not rcfg.routing_replay:
+  if not ls.routing_replay:
     return None
-  if "routed_experts" not in batch:
-    raise ValueError("routing_replay needs batch['routed_experts'] (collect with routing_replay=True).")
-  return jnp.moveaxis(jnp.asarray(batch["routed_experts"]), 2, 0)
+  if batch.routed_experts is None:
+    raise ValueError("routing_replay needs batch.routed_experts (collect with routing_replay=True).")
+  return jnp.moveaxis(jnp.asarray(batch.routed_experts), 2, 0)
 
 
 _CACHE_BATCH_AXIS = {"positions": 0, "segments": 0, "latent": 1, "k_rope": 1}  # model.init_cache's layout
@@ -82,7 +112,12 @@ def cache_rows(cache: dict, rows: jax.Array) -> dict:
 
 
 def teacher_logits(
-  params: Any, cfg: model.ModelConfig, student_cache: dict, batch: dict, teacher_params: Any = None
+  params: Any,
+  cfg: model.ModelConfig,
+  student_cache: dict,
+  batch: RLBatch,
+  teacher_params: Any = None,
+  meshes: sharding.Meshes | None = None,
 ) -> jax.Array:
   """Teacher logits [F, N, V] of the flagged rows, aligned with `fb_cols` (meaningful where fb_mask is 1).
 
@@ -91,27 +126,28 @@ def teacher_logits(
   itself first. Then student slots at positions ≥ hint_start are hidden (segment 0) and hint + turn k's
   tokens are appended at the cache's write index (position hint_start onwards, which `sampler.extend`
   derives from the visible slots)."""
-  rows_F = batch["fb_rows"]
-  T, L = batch["tokens"].shape[1], batch["teacher_tokens"].shape[1]
+  rows_F = batch.feedback.fb_rows
+  T, L = batch.tokens.shape[1], batch.feedback.teacher_tokens.shape[1]
   if teacher_params is None:
     params = jax.lax.stop_gradient(params)
     cache = cache_rows(jax.lax.stop_gradient(student_cache), rows_F)
   else:
     params = jax.lax.stop_gradient(teacher_params)
-    rows = {k: batch[k][rows_F] for k in ("tokens", "positions", "segment_ids")}
-    _, aux = student_forward(params, cfg, rows, L)
+    rows = tuple(x[rows_F] for x in (batch.tokens, batch.positions, batch.segment_ids))
+    _, aux = student_forward(params, cfg, rows, L, meshes=meshes)
     cache = aux["cache"]
   slot_S = jnp.arange(cache["segments"].shape[1])
-  hide_FS = (slot_S[None, :] >= batch["hint_start"][:, None]) & (slot_S[None, :] < T)
+  hide_FS = (slot_S[None, :] >= batch.feedback.hint_start[:, None]) & (slot_S[None, :] < T)
   cache = {**cache, "segments": jnp.where(hide_FS, sampler.PAD_SEGMENT, cache["segments"])}
-  logits_FLV, _ = sampler.extend(params, cfg, cache, batch["teacher_tokens"], batch["teacher_lengths"])
-  aligned_FNV = jnp.take_along_axis(logits_FLV, batch["teacher_cols"][:, :, None], axis=1)
+  fb = batch.feedback
+  logits_FLV, _ = sampler.extend(params, cfg, cache, fb.teacher_tokens, fb.teacher_lengths, meshes=meshes)
+  aligned_FNV = jnp.take_along_axis(logits_FLV, batch.feedback.teacher_cols[:, :, None], axis=1)
   return jax.lax.stop_gradient(aligned_FNV)
 
 
-def student_feedback_logits(logits_BTV: jax.Array, batch: dict) -> jax.Array:
+def student_feedback_logits(logits_BTV: jax.Array, batch: RLBatch) -> jax.Array:
   """The student's logits at the feedback columns, [F, N, V] (differentiable)."""
-  return logits_BTV[batch["fb_rows"][:, None], batch["fb_cols"]]
+  return logits_BTV[batch.feedback.fb_rows[:, None], batch.feedback.fb_cols]
 
 
 def first_divergence(gap_FN: jax.Array, mask_FN: jax.Array, threshold: float) -> jax.Array:
@@ -126,15 +162,15 @@ def first_divergence(gap_FN: jax.Array, mask_FN: jax.Array, threshold: float) ->
   return (mask_FN > 0) & (idx_1N <= first_F1) & (first_F1 < N)
 
 
-def _scatter_BT(x_FN: jax.Array, like_BT: jax.Array, batch: dict) -> jax.Array:
+def _scatter_BT(x_FN: jax.Array, like_BT: jax.Array, batch: RLBatch) -> jax.Array:
   """[F, N] values onto the batch's token positions (row fb_rows, token fb_cols + 1), 0 elsewhere."""
-  return jnp.zeros_like(like_BT).at[batch["fb_rows"][:, None], batch["fb_cols"] + 1].add(x_FN)
+  return jnp.zeros_like(like_BT).at[batch.feedback.fb_rows[:, None], batch.feedback.fb_cols + 1].add(x_FN)
 
 
 def feedback_advantages(
   t_logits_FNV: jax.Array,
   logp_BT: jax.Array,
-  batch: dict,
+  batch: RLBatch,
   lam: float,
   *,
   select_FN: jax.Array | None = None,
@@ -147,36 +183,34 @@ def feedback_advantages(
   the score-function identity; on-policy distillation's Â = A − λ(log p − log q)): as an advantage it
   shares the RL loss's normaliser and clip, so λ is an exchange rate. It only pushes the sampled token:
   it cannot raise a token the student never samples (at p(y) ≈ 1, ∇log p(y) ≈ 0)."""
-  rows_F1, tok_FN = batch["fb_rows"][:, None], batch["fb_cols"] + 1
-  y_FN = batch["tokens"][rows_F1, tok_FN]
+  rows_F1, tok_FN = batch.feedback.fb_rows[:, None], batch.feedback.fb_cols + 1
+  y_FN = batch.tokens[rows_F1, tok_FN]
   logq_FN = jnp.take_along_axis(jax.nn.log_softmax(t_logits_FNV.astype(jnp.float32), -1), y_FN[..., None], -1)
   logp_FN = jax.lax.stop_gradient(logp_BT)[rows_F1, tok_FN]
   delta_FN = logq_FN[..., 0] - logp_FN
   if clip is not None:
     delta_FN = jnp.clip(delta_FN, -clip, clip)
-  sel_FN = batch["fb_mask"] > 0 if select_FN is None else select_FN
+  sel_FN = batch.feedback.fb_mask > 0 if select_FN is None else select_FN
   return jax.lax.stop_gradient(_scatter_BT(jnp.where(sel_FN, lam * delta_FN, 0.0), logp_BT, batch))
 
 
 def feedback_terms(
-  s_logits_FNV: jax.Array, t_logits_FNV: jax.Array, logp_BT: jax.Array, batch: dict, rcfg: RLConfig
+  s_logits_FNV: jax.Array, t_logits_FNV: jax.Array, logp_BT: jax.Array, batch: RLBatch, ls: LossSettings
 ) -> tuple[jax.Array, jax.Array, dict]:
   """(per-token divergence [B, T] for the loss form, feedback advantage [B, T] for the advantage form,
-  metrics) on the tokens `rcfg.feedback_tokens` selects, clipped per token at `rcfg.feedback_clip`."""
-  rows_F1, tok_FN = batch["fb_rows"][:, None], batch["fb_cols"] + 1
-  y_FN = batch["tokens"][rows_F1, tok_FN]
+  metrics) on the tokens `ls.feedback_tokens` selects, clipped per token at `ls.feedback_clip`."""
+  rows_F1, tok_FN = batch.feedback.fb_rows[:, None], batch.feedback.fb_cols + 1
+  y_FN = batch.tokens[rows_F1, tok_FN]
   logq_FN = jnp.take_along_axis(jax.nn.log_softmax(t_logits_FNV.astype(jnp.float32), -1), y_FN[..., None], -1)
   gap_FN = jax.lax.stop_gradient(logp_BT[rows_F1, tok_FN] - logq_FN[..., 0])
-  turn_FN = batch["fb_mask"] > 0
+  turn_FN = batch.feedback.fb_mask > 0
   sel_FN = turn_FN
-  if rcfg.feedback_tokens == "first_divergence":
-    sel_FN = first_divergence(gap_FN, batch["fb_mask"], rcfg.divergence_threshold)
-  clip = rcfg.feedback_clip if rcfg.feedback_clip > 0 else None
-  top_k = rcfg.divergence_top_k or None
-  d_FN = token_divergence(s_logits_FNV, t_logits_FNV, sel_FN, kind=rcfg.divergence, top_k=top_k, clip=clip)
-  adv_BT = feedback_advantages(
-    t_logits_FNV, logp_BT, batch, rcfg.lambda_feedback, select_FN=sel_FN, clip=clip
-  )
+  if ls.feedback_tokens == "first_divergence":
+    sel_FN = first_divergence(gap_FN, batch.feedback.fb_mask, ls.divergence_threshold)
+  clip = ls.feedback_clip if ls.feedback_clip > 0 else None
+  top_k = ls.divergence_top_k or None
+  d_FN = token_divergence(s_logits_FNV, t_logits_FNV, sel_FN, kind=ls.divergence, top_k=top_k, clip=clip)
+  adv_BT = feedback_advantages(t_logits_FNV, logp_BT, batch, ls.lambda_feedback, select_FN=sel_FN, clip=clip)
   n_sel = jnp.sum(sel_FN).astype(jnp.float32)
   m = {
     "feedback_kl": (jax.lax.stop_gradient(jnp.sum(d_FN)), n_sel),
@@ -188,64 +222,66 @@ def feedback_terms(
 
 def rl_loss(
   params: Any,
-  cfg: model.ModelConfig,
-  batch: dict,
-  rcfg: RLConfig,
-  with_feedback: bool,
+  batch: RLBatch,
   teacher_params: Any = None,
-):
-  """(total loss, metrics as (sum, count) pairs). `teacher_params`: a frozen or EMA teacher (None: live)."""
-  routed = replayed_experts(batch, rcfg)
-  if with_feedback:
-    logits_BTV, aux = student_forward(params, cfg, batch, batch["teacher_tokens"].shape[1], routed)
+  *,
+  cfg: model.ModelConfig,
+  ls: LossSettings,
+  meshes: sharding.Meshes | None = None,
+) -> tuple[jax.Array, LossAux]:
+  """(RL sum + λ · feedback sum, LossAux(RL count, metrics as (sum, count) pairs, model aux)): the loss
+  is their ratio (`train.step`). The feedback term is computed when the batch carries teacher inputs
+  (`batch.feedback`); `teacher_params`: a frozen or EMA teacher (None: live, the current weights)."""
+  routed = replayed_experts(batch, ls)
+  rows = (batch.tokens, batch.positions, batch.segment_ids)
+  fb = batch.feedback
+  if fb is not None:
+    logits_BTV, aux = student_forward(params, cfg, rows, fb.teacher_tokens.shape[1], routed, meshes)
   else:
     logits_BTV, aux = model.apply(
-      params,
-      cfg,
-      batch["tokens"],
-      batch["positions"],
-      segment_ids=batch["segment_ids"],
-      routed_experts=routed,
+      params, cfg, *rows[:2], segment_ids=batch.segment_ids, routed_experts=routed, meshes=meshes
     )
-  logp_BT = token_logp(logits_BTV, batch["tokens"])
-  adv_B = advantages(batch["rewards"], batch["group_ids"], kind=rcfg.advantage)
+  logp_BT = token_logp(logits_BTV, batch.tokens)
+  adv_B = advantages(batch.rewards, batch.group_ids, kind=ls.advantage)
   adv, fb_BT = adv_B, jnp.zeros_like(logp_BT)
   keep_B = jnp.ones_like(adv_B, dtype=bool)
-  if rcfg.dynamic_sampling:
-    keep_B = groups_with_signal(batch["rewards"], batch["group_ids"])
-  m = {"feedback_kl": (jnp.zeros((), jnp.float32),) * 2}
-  if with_feedback:
-    t_logits_FNV = teacher_logits(params, cfg, aux["cache"], batch, teacher_params)
+  if ls.dynamic_sampling:
+    keep_B = groups_with_signal(batch.rewards, batch.group_ids)
+  zero = jnp.zeros((), jnp.float32)
+  m = {"feedback_kl": (zero, zero), "feedback_tokens": (zero, jnp.ones((), jnp.float32))}
+  if fb is not None:
+    t_logits_FNV = teacher_logits(params, cfg, aux["cache"], batch, teacher_params, meshes)
     s_logits_FNV = student_feedback_logits(logits_BTV, batch)
-    fb_BT, fb_adv_BT, m = feedback_terms(s_logits_FNV, t_logits_FNV, logp_BT, batch, rcfg)
-    if rcfg.feedback_mode == "advantage":
+    fb_BT, fb_adv_BT, m_fb = feedback_terms(s_logits_FNV, t_logits_FNV, logp_BT, batch, ls)
+    m |= m_fb | {"feedback_tokens": (m_fb["feedback_kl"][1], jnp.ones((), jnp.float32))}
+    if ls.feedback_mode == "advantage":
       adv, fb_BT = adv_B[:, None] + fb_adv_BT, jnp.zeros_like(fb_BT)
       m["feedback_advantage"] = (jnp.sum(fb_adv_BT), m["feedback_kl"][1])
     # A flagged row carries feedback even when its group's rewards are all equal.
-    keep_B = keep_B | jnp.zeros_like(keep_B).at[batch["fb_rows"]].max(batch["teacher_lengths"] > 0)
-  mask_BT = batch["loss_mask"] * keep_B[:, None]
-  kw = dict(objective=rcfg.objective, sampler_logp=batch["sampler_logprobs"], tis_cap=rcfg.tis_cap)
-  max_len = rcfg.max_turns * rcfg.max_turn_tokens  # Dr. GRPO's constant normaliser: the token budget
-  pl_sum, pl_count = policy_loss(logp_BT, jax.lax.stop_gradient(logp_BT), adv, mask_BT, max_len=max_len, **kw)
+    keep_B = keep_B | jnp.zeros_like(keep_B).at[fb.fb_rows].max(fb.teacher_lengths > 0)
+  mask_BT = batch.loss_mask * keep_B[:, None]
+  kw = dict(objective=ls.objective, sampler_logp=batch.sampler_logprobs, tis_cap=ls.tis_cap)
+  pl_sum, pl_count = policy_loss(
+    logp_BT, jax.lax.stop_gradient(logp_BT), adv, mask_BT, max_len=ls.max_len, **kw
+  )
   # The feedback term on the policy objective's scale: the same reduction and the same count.
-  fb_sum, _ = on_objective_scale(fb_BT, mask_BT, objective=rcfg.objective, max_len=max_len)
-  loss = (pl_sum + rcfg.lambda_feedback * fb_sum) / jnp.maximum(pl_count, 1.0)
+  fb_sum, _ = on_objective_scale(fb_BT, mask_BT, objective=ls.objective, max_len=ls.max_len)
   m |= policy_metrics(logp_BT, jax.lax.stop_gradient(logp_BT), adv, mask_BT, **kw)
   m |= _diagnostics(logits_BTV, logp_BT, mask_BT, batch)
-  m["feedback_loss"] = (jax.lax.stop_gradient(rcfg.lambda_feedback * fb_sum), pl_count)
+  m["feedback_loss"] = (jax.lax.stop_gradient(ls.lambda_feedback * fb_sum), pl_count)
   m["policy_loss"] = (jax.lax.stop_gradient(pl_sum), pl_count)
   m["advantage_abs"] = (jnp.sum(jnp.abs(adv_B)), jnp.asarray(adv_B.shape[0], jnp.float32))
   m["kept_rollouts"] = (jnp.sum(keep_B).astype(jnp.float32), jnp.asarray(adv_B.shape[0], jnp.float32))
-  return loss, (m, aux)
+  return pl_sum + ls.lambda_feedback * fb_sum, LossAux(jax.lax.stop_gradient(pl_count), m, aux)
 
 
-def _diagnostics(logits_BTV: jax.Array, logp_BT: jax.Array, mask_BT: jax.Array, batch: dict) -> dict:
+def _diagnostics(logits_BTV: jax.Array, logp_BT: jax.Array, mask_BT: jax.Array, batch: RLBatch) -> dict:
   """Entropy of the policy and |sampler − trainer| log-prob gap on the trained tokens."""
   m_BT = mask_BT > 0
   n = jnp.sum(m_BT).astype(jnp.float32)
   logp_all_BTV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BTV[:, :-1]).astype(jnp.float32), axis=-1)
   ent_BT = jnp.pad(-jnp.sum(jnp.exp(logp_all_BTV) * logp_all_BTV, axis=-1), ((0, 0), (1, 0)))
-  gap_BT = jnp.abs(batch["sampler_logprobs"] - jax.lax.stop_gradient(logp_BT))
+  gap_BT = jnp.abs(batch.sampler_logprobs - jax.lax.stop_gradient(logp_BT))
   return {
     "entropy": (jnp.sum(jnp.where(m_BT, ent_BT, 0.0)), n),
     "logp_abs_diff": (jnp.sum(jnp.where(m_BT, gap_BT, 0.0)), n),

@@ -1,10 +1,12 @@
-"""The jitted RL step: the loss's gradient and one guarded optimizer update, with an optional EMA teacher.
+"""The RL step's loss for `train.step.make_step`, and the optimizer that holds a frozen or EMA teacher.
 
-  step = make_rl_step(cfg, tx, schedule, rcfg, with_feedback=True)
+  tx = teacher_optimizer(optim.build_optimizer(cfg, ocfg, meshes), rcfg)
+  step = train.step.make_step(loss_fn(cfg, LossSettings.of(rcfg), meshes), tx, cfg, schedule=..., ...)
   state, metrics = step(state, batch)             # state donated; non-finite steps keep the old state
 
-`with_feedback=False` compiles a step without the teacher: it serves λ = 0 and batches in which no turn
-was flagged. `teacher="frozen"` keeps the weights RL started from (the SFT checkpoint) next to the
+The step is the one every stage uses; a batch without teacher inputs (λ = 0, or no turn
+flagged) is another tree structure, so the same function compiles a program without the teacher for it.
+`teacher="frozen"` keeps the weights RL started from (the SFT checkpoint) next to the
 optimizer state (`TeacherState`), `teacher="ema"` an exponential moving average of the weights, so
 checkpoints carry either. A frozen teacher anchors the target: with the live student as teacher, more
 mistakes meant more flagged turns and more push in whatever direction the drifting teacher pointed
@@ -13,18 +15,18 @@ mistakes meant more flagged turns and more push in whatever direction the drifti
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from composer_jax import model
+from composer_jax import model, sharding
 from composer_jax.configs import RLConfig
-from composer_jax.rl.loss import rl_loss
-from composer_jax.train.state import TrainState, guarded_update
+from composer_jax.rl.batch import RLBatch
+from composer_jax.rl.loss import LossSettings, rl_loss
+from composer_jax.train.state import TrainState
+from composer_jax.train.step import LossAux, LossFn
 
 TEACHERS = ("frozen", "live", "ema")
 FEEDBACK_MODES = ("loss", "advantage")
@@ -78,39 +80,18 @@ def check_config(rcfg: RLConfig) -> None:
     raise ValueError(f"lambda_feedback must be ≥ 0, got {rcfg.lambda_feedback}")
 
 
-def make_rl_step(
-  cfg: model.ModelConfig,
-  tx: optax.GradientTransformation,
-  schedule: optax.Schedule,
-  rcfg: RLConfig,
-  *,
-  with_feedback: bool,
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """Jitted, donated step; a non-finite loss or gradient keeps the old params and optimizer state.
-  Unless `rcfg.teacher == "live"`, `tx` must be `teacher_optimizer(...)`'s (the teacher is in its state)."""
-  check_config(rcfg)
-  loss_fn = functools.partial(rl_loss, cfg=cfg, rcfg=rcfg, with_feedback=with_feedback)
-  held = rcfg.teacher != "live" and with_feedback  # the step without feedback has no teacher
+def loss_fn(cfg: model.ModelConfig, ls: LossSettings, meshes: sharding.Meshes | None = None) -> LossFn:
+  """The RL loss as `train.step.make_step` takes it: the teacher of a batch with feedback inputs is the
+  one held in the optimizer state (`teacher_optimizer`), or the current weights for a live teacher."""
 
-  def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    if held and not isinstance(state.opt_state, TeacherState):
-      raise ValueError(
-        f'teacher="{rcfg.teacher}" needs the optimizer state of rl.step.teacher_optimizer(tx, rcfg).'
-      )
-    teacher = state.opt_state.teacher if held else None
-    (loss, (m, aux)), grads = jax.value_and_grad(
-      lambda p: loss_fn(p, batch=batch, teacher_params=teacher), has_aux=True
-    )(state.params)
-    balance = lambda p: model.update_router_bias(p, aux["expert_load"], rcfg.router_bias_rate)  # noqa: E731
-    new, _, grad_norm, ok = guarded_update(state, grads, loss, tx, after=balance)
-    out = {k: s / jnp.maximum(c, 1.0) for k, (s, c) in m.items()}
-    out |= {
-      "loss": loss,
-      "grad_norm": grad_norm,
-      "lr": jnp.asarray(schedule(state.step), jnp.float32),
-      "feedback_tokens": m["feedback_kl"][1],
-      "skipped": 1 - ok.astype(jnp.int32),
-    }
-    return new, out
+  def fn(params: Any, batch: RLBatch, state: TrainState) -> tuple[jax.Array, LossAux]:
+    teacher = None
+    if batch.feedback is not None and not ls.live_teacher:
+      if not isinstance(state.opt_state, TeacherState):
+        raise ValueError(
+          "a frozen or EMA teacher needs the optimizer state of rl.step.teacher_optimizer(tx, rcfg)"
+        )
+      teacher = state.opt_state.teacher
+    return rl_loss(params, batch, teacher, cfg=cfg, ls=ls, meshes=meshes)
 
-  return jax.jit(step, donate_argnums=0)
+  return fn

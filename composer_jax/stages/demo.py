@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -58,7 +59,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   )
 
   t0 = time.perf_counter()
-  decoded_BN = np.asarray(model.greedy_decode(params, cfg, tokens_BT, config.demo.decode_tokens, meshes))
+  decoded_BN = np.asarray(greedy(params, cfg, tokens_BT, config.demo.decode_tokens, meshes))
   seconds = time.perf_counter() - t0
   logging.info(
     "[demo] %s",
@@ -68,6 +69,18 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   summary = dict(loss=loss, uniform_loss=uniform, decoded=decoded_BN.tolist(), decode_seconds=seconds)
   pathlib.Path(workdir, "demo.json").write_text(json.dumps(summary, indent=1))
   return summary
+
+
+def greedy(params: Any, cfg: Any, prompt_BT: jax.Array, n: int, meshes: sharding.Meshes) -> jax.Array:
+  """Argmax continuation [B, n] of full-length prompts: the sampler at temperature 0 (the one decoder)."""
+  from composer_jax.rl import sampler
+
+  B, T = prompt_BT.shape
+  lengths = jnp.full((B,), T, jnp.int32)
+  key = jax.random.key(0)  # unused at temperature 0
+  return sampler.sample(
+    params, cfg, prompt_BT, lengths, key, max_new_tokens=n, temperature=0.0, meshes=meshes
+  ).tokens
 
 
 @dataclasses.dataclass(frozen=True)

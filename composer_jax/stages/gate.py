@@ -17,22 +17,20 @@ from typing import Any
 
 from absl import logging
 
-from composer_jax import configs
+from composer_jax import sharding
 from composer_jax.configs import Config
-from composer_jax.stages import sft
+from composer_jax.stages import sft, weights
 from composer_jax.stages.record import Stage
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
-  from composer_jax.rl import gate
+  from composer_jax.rl import chat, gate
 
-  cfg = configs.rl_model(config)
-  params = sft.load_params(workdir, cfg)
-  if params is None:
-    params = sft.checkpoint_params(config)
-  if params is None:
-    raise FileNotFoundError(f"no SFT checkpoint under {workdir}/sft: run stage sft first")
-  report = gate.run(params, cfg, config.rl, config.gate)
+  meshes = sharding.make_meshes(config)
+  params, source = weights.starting_params(config, workdir, "sft", meshes)
+  logging.info("[gate] weights from %s", source)
+  tok = chat.tokenizer(config.data.tokenizer)
+  report = gate.run(params, config.model, config.rl, config.gate, tok, meshes) | {"init": source}
   failed = [k for k, g in report.get("gates", {}).items() if not g["pass"]]
   logging.info("[gate] %s", "all gates pass" if report["passed"] else f"FAILED: {', '.join(failed) or 'all'}")
   pathlib.Path(workdir, "gate.json").write_text(json.dumps(report, indent=1))
@@ -60,10 +58,10 @@ STAGE = Stage(
   name="gate",
   run=run,
   doc="does the hinted teacher beat the student on flagged turns? (G1-G5, on the SFT checkpoint, before RL)",
-  depends=("seed", "model", "gate", "rl", "init_from"),
+  depends=("seed", "model", "gate", "rl", "data.tokenizer", "init_from"),
   outputs=("gate.json",),
   upstream=lambda config: ("sft",),
-  check=lambda config: sft.STAGE.check(config),  # the same model and chat tokenizer
+  check=sft.check_chat,
   summarize=_summarize,
   lines=_lines,
 )

@@ -27,8 +27,9 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   """Trains `config.train.steps` steps (resuming from the newest checkpoint); returns the summary."""
   from composer_jax import train
   from composer_jax.data import corpus, tokenizer  # tfds: imported only by the stages that read data
-  from composer_jax.train import metrics
+  from composer_jax.train import loop, metrics
   from composer_jax.train import pretrain as pt
+  from composer_jax.train import step as step_lib
 
   cfg, tcfg, d = config.model, config.train, config.data
   ocfg = configs.pretrain_optimizer(config)
@@ -52,11 +53,13 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   train_iter = corpus.batches(splits["train"], tok, **shape, seed=config.seed)
   eval_iter = corpus.batches(splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1)
   eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes)
-  train_step = pt.make_train_step(
-    cfg, tx, optim.lr_schedule(ocfg), train.state.state_shardings(state), meshes,
-    router_bias_rate=tcfg.router_bias_rate, grad_accum=tcfg.grad_accum, qk_clip_tau=ocfg.qk_clip_tau,
+  shardings = train.state.state_shardings(state)
+  train_step = step_lib.make_step(
+    step_lib.next_token_loss(cfg, meshes), tx, cfg, schedule=optim.lr_schedule(ocfg), meshes=meshes,
+    state_sharding=shardings, batch_sharding=_batch_sharding(tcfg, meshes),
+    router_bias_rate=tcfg.router_bias_rate, qk_clip_tau=ocfg.qk_clip_tau, grad_accum=tcfg.grad_accum,
   )  # fmt: skip
-  eval_step = pt.make_eval_step(cfg, train.state.state_shardings(state).params, meshes)
+  eval_step = pt.make_eval_step(cfg, shardings.params, meshes)
   n_active = pt.active_params(cfg)
   logging.info("[pretrain] %s active params/token, %dx%d tokens/step", f"{n_active:,}", *shape.values())
   notes = {"total_steps": ocfg.total_steps}
@@ -65,18 +68,52 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     state, data_state = outputs.resume(out, state, "pretrain", ocfg)
     if data_state is not None:
       train_iter.set_state(data_state)
-    state, summary = pt.fit(
-      state, train_step, eval_step, train_iter, eval_batches, tcfg, meshes=meshes, writer=out.writer,
-      save=lambda st, data_state, final: out.ckpt.save(st, data_state, force=final), check=out.check,
+    hooks = pt.hooks(
+      train_iter, eval_step, eval_batches, meshes=meshes, peak_flops=tcfg.peak_flops,
       flops_per_token=metrics.flops_per_token(n_active),
+      save=lambda st, data_state, final: out.ckpt.save(st, data_state, force=final),
+      check=out.check, writer=out.writer,
     )  # fmt: skip
-  if summary["interrupted"]:
-    raise Interrupted(f"pretrain stopped at step {summary['steps']} and saved its checkpoint")
-  summary |= _whole_run(metrics_dir / "metrics.jsonl")
+    schedule = loop.Schedule(
+      tcfg.steps, tcfg.log_every, tcfg.eval_every, tcfg.checkpoint_every,
+      max_skipped_in_a_row=tcfg.max_skipped_in_a_row,
+    )  # fmt: skip
+    state, result = loop.fit(state, train_step, schedule, hooks, name="pretrain")
+  if result.interrupted:
+    raise Interrupted(f"pretrain stopped at step {result.steps} and saved its checkpoint")
+  summary = _summary(result)
   summary["checkpoints"] = out.ckpt.all_steps()
   pathlib.Path(workdir, "pretrain.json").write_text(json.dumps(summary, indent=1))
   logging.info("[pretrain] %s", _line(summary))
   return summary
+
+
+def _batch_sharding(tcfg: configs.TrainConfig, meshes: sharding.Meshes) -> Any:
+  """The packed batch's shardings (a fixed layout for the step, and for its micro-batches)."""
+  import numpy as np
+
+  from composer_jax.train import batch as batch_lib
+
+  rows = np.zeros((tcfg.batch_size, tcfg.seq_len), np.int32)
+  return batch_lib.shardings(batch_lib.TokenBatch(rows, rows, rows), meshes)
+
+
+def _summary(r: Any) -> dict:
+  """The run's losses (this run's steps: after a resume, from the resumed step on) and throughput."""
+  s = r.summary("loss", "validation_loss")
+  tokens = sum(h["tokens"] for h in r.history)
+  return {
+    **{
+      k: s[k] for k in ("start_step", "steps", "interrupted", "skipped_steps", "seconds", "seconds_per_step")
+    },
+    "first_train_loss": s["first_loss"],
+    "last_train_loss": s["last_loss"],
+    "first_validation_loss": s["first_validation_loss"],
+    "last_validation_loss": s["last_validation_loss"],
+    "train_losses": [h["loss"] for h in r.history],
+    "validation_losses": [(e["step"], e["validation_loss"]) for e in r.evals],
+    "tokens_per_s": tokens / max(r.seconds, 1e-9),
+  }
 
 
 def initial_params(config: Config, meshes: sharding.Meshes | None) -> Any:
@@ -88,18 +125,6 @@ def initial_params(config: Config, meshes: sharding.Meshes | None) -> Any:
 
   logging.info("[pretrain] starting from the Hugging Face checkpoint %s", config.init_from)
   return model.load_hf_checkpoint(config.init_from, config.model, meshes)
-
-
-def _whole_run(jsonl: pathlib.Path) -> dict:
-  """First and last losses of the whole run from its metrics file (also after a resume or an extension)."""
-  from composer_jax.train import metrics
-
-  out = {}
-  for key, name in (("loss", "train"), ("validation_loss", "validation")):
-    h = metrics.read_history(jsonl, key)
-    if h:
-      out[f"first_{name}_loss"], out[f"last_{name}_loss"] = h[0][key], h[-1][key]
-  return out
 
 
 def _f(x: float | None, digits: int = 4) -> str:

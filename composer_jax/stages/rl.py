@@ -4,9 +4,10 @@
   `rl.compare_without_feedback` and λ > 0 also the λ = 0 arm on the same problems and seeds
   (rl_nofb, rl_nofb_metrics, rl_nofb_episodes), for the summary's side-by-side.
 
-Resumes mid-run from the newest checkpoint: the problems and sampling keys of step s are pure functions
-of (seed, s). The per-step history comes from the metrics file (every step so far, not only this
-process's), so a resumed stage still reports first → last.
+Starts from the SFT checkpoint's weights (or `init_from`'s), on the same two meshes as pretraining, and
+logs which. Resumes mid-run from the newest checkpoint: the problems and sampling keys of step s are pure
+functions of (seed, s). The summary covers the steps this process trained (after a resume, from the
+resumed step on); the metrics file has every step.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 import jax
 from absl import logging
 
-from composer_jax import configs, optim
+from composer_jax import configs, optim, sharding
 from composer_jax.configs import Config, RLConfig
-from composer_jax.stages import outputs, sft
+from composer_jax.stages import outputs, sft, weights
 from composer_jax.stages.record import Interrupted, Stage
 
 
@@ -46,54 +47,62 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
 
 
 def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str, Any]:
-  """One RL run into `<workdir>/<name>` (checkpoints) and `<workdir>/<name>_metrics`."""
+  """One RL run into `<workdir>/<name>` (checkpoints) and `<workdir>/<name>_metrics`, on both meshes."""
   from composer_jax import train
-  from composer_jax.rl import loop, rollout, step
+  from composer_jax.rl import chat, loop, rollout, step
   from composer_jax.rl.envs import factories
-  from composer_jax.train import metrics
+  from composer_jax.rl.loss import LossSettings
+  from composer_jax.train import loop as train_loop
+  from composer_jax.train import step as step_lib
 
-  cfg = configs.rl_model(config)
+  cfg = config.model
+  meshes = sharding.make_meshes(config)
+  tok = chat.tokenizer(config.data.tokenizer)
   ocfg = rl_optimizer(config, rcfg)
-  tx = step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, None), rcfg)  # "ema": teacher in opt state
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), None)
+  tx = step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, meshes), rcfg)  # the teacher in opt state
   record = configs.record(
     model=cfg, optim=configs.identity(ocfg), rl=configs.identity(rcfg), seed=config.seed
   )
   make_envs = factories.factory(rcfg, workdir, pathlib.Path(workdir, f"{name}_episodes"))
-  schedule = optim.lr_schedule(ocfg)
-  steps = {fb: step.make_rl_step(cfg, tx, schedule, rcfg, with_feedback=fb) for fb in (False, True)}
   evaluate = None  # the fixed problem set (rl.eval_every, rl.eval_problems): step-to-step noise-free progress
   if rcfg.env in factories.MAKE_ONE and rcfg.eval_every > 0:
-    evaluate = functools.partial(rollout.evaluate, cfg=cfg, rcfg=rcfg, n=rcfg.eval_problems)
+    evaluate = functools.partial(
+      rollout.evaluate, cfg=cfg, rcfg=rcfg, tok=tok, meshes=meshes, n=rcfg.eval_problems
+    )
   metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
   notes = {"total_steps": ocfg.total_steps}
   with outputs.opened(pathlib.Path(workdir, name), record, rcfg.keep_checkpoints, metrics_dir, notes) as out:
-    state = _start(state, out, tx, config, workdir, name, ocfg)
+    state, source = _start(config, workdir, name, out, tx, meshes, ocfg)
     logging.info(
-      "[%s] env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s (%s, %s form, %s "
-      "teacher, %s tokens, %s hint)",
-      name, rcfg.env, rcfg.steps, rcfg.problems_per_step, rcfg.group_size, rcfg.objective, rcfg.advantage,
-      rcfg.lambda_feedback, rcfg.divergence, rcfg.feedback_mode, rcfg.teacher, rcfg.feedback_tokens,
-      rcfg.hint,
+      "[%s] weights from %s; env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s "
+      "(%s, %s form, %s teacher, %s tokens, %s hint)",
+      name, source, rcfg.env, rcfg.steps, rcfg.problems_per_step, rcfg.group_size, rcfg.objective,
+      rcfg.advantage, rcfg.lambda_feedback, rcfg.divergence, rcfg.feedback_mode, rcfg.teacher,
+      rcfg.feedback_tokens, rcfg.hint,
     )  # fmt: skip
-    state, summary = loop.fit(
-      state, steps, make_envs, cfg, rcfg, writer=out.writer, save=out.save, evaluate=evaluate, name=name
-    )
-  if summary["interrupted"]:
-    raise Interrupted(f"{name} stopped at step {summary['steps']} and saved its checkpoint")
-  jsonl = metrics_dir / "metrics.jsonl"
-  summary["history"] = metrics.read_history(jsonl, "reward") or summary["history"]
-  evals = metrics.read_history(jsonl, "eval_reward")
-  if evals:
-    summary["evals"] = [
-      {"step": r["step"]} | {k.removeprefix("eval_"): v for k, v in r.items() if k.startswith("eval_")}
-      for r in evals
-    ]
+    train_step = step_lib.make_step(
+      step.loss_fn(cfg, LossSettings.of(rcfg), meshes), tx, cfg, schedule=optim.lr_schedule(ocfg),
+      meshes=meshes, state_sharding=train.state.state_shardings(state),
+      router_bias_rate=rcfg.router_bias_rate,
+    )  # fmt: skip
+    hooks = loop.hooks(
+      make_envs, cfg, rcfg, tok, meshes=meshes, evaluate=evaluate, save=out.save, check=out.check,
+      writer=out.writer,
+    )  # fmt: skip
+    state, result = train_loop.fit(state, train_step, loop.schedule(rcfg), hooks, name=name)
+  if result.interrupted:
+    raise Interrupted(f"{name} stopped at step {result.steps} and saved its checkpoint")
+  summary = result.summary("reward", "eval_reward")
+  summary["evals"] = [
+    {"step": e["step"]} | {k.removeprefix("eval_"): v for k, v in e.items() if k != "step"}
+    for e in result.evals
+  ]
   summary |= {
+    "init": source,
     "lambda_feedback": rcfg.lambda_feedback,
     "rollouts_per_step": rcfg.problems_per_step * rcfg.group_size,
     "checkpoints": str(out.ckpt.directory),
-    "metrics": str(jsonl.absolute()),
+    "metrics": str((metrics_dir / "metrics.jsonl").absolute()),
   }
   h = summary["history"]
   if h:
@@ -116,27 +125,18 @@ def eval_history(path: pathlib.Path) -> list[dict]:
 
 
 def _start(
-  state: Any, out: outputs.Outputs, tx: Any, config: Config, workdir: str, name: str, ocfg: Any
-) -> Any:
-  """The arm's own newest good checkpoint, else the SFT params (or `init_from`'s weights) with a fresh
-  optimizer state."""
+  config: Config, workdir: str, name: str, out: outputs.Outputs, tx: Any, meshes: Any, ocfg: Any
+) -> tuple[Any, str]:
+  """(state, where its weights came from): the arm's own newest good checkpoint, else the SFT
+  checkpoint's params (or `init_from`'s weights) with a fresh optimizer state, whose teacher they are."""
   from composer_jax import train
 
+  state = train.create_state(config.model, tx, jax.random.key(config.seed), meshes)
   state, resumed = outputs.resume(out, state, name, ocfg)
   if resumed is not None:
-    return state
-  params = sft.load_params(workdir, configs.rl_model(config))
-  if params is not None:
-    logging.info("[%s] starting from the SFT checkpoint in %s/sft", name, workdir)
-  elif config.init_from:
-    logging.info("[%s] no SFT checkpoint under <workdir>/sft: starting from init_from's weights", name)
-    params = sft.checkpoint_params(config)
-  else:
-    logging.warning(
-      "[%s] no SFT checkpoint under <workdir>/sft: starting from random weights (run sft first)", name
-    )
-    return state
-  return train.state.committed(train.TrainState(step=state.step, params=params, opt_state=tx.init(params)))
+    return state, f"{out.ckpt.directory}/{int(state.step)} (resumed)"
+  params, source = weights.starting_params(config, workdir, "sft", meshes)
+  return train.create_state(config.model, tx, jax.random.key(config.seed), meshes, params=params), source
 
 
 def _window_means(values: list[float]) -> tuple[float, float, int]:
@@ -247,7 +247,7 @@ def _check(config: Config) -> None:
   from composer_jax.rl import objectives, step
   from composer_jax.rl.envs import factories
 
-  sft.STAGE.check(config)  # the same small model
+  sft.check_chat(config)
   r = config.rl
   problems = []
   if r.env not in factories.FACTORIES:
@@ -269,7 +269,7 @@ STAGE = Stage(
   run=run,
   check=_check,
   doc="multi-turn RL with targeted text feedback from the SFT checkpoint (and the same run without)",
-  depends=("seed", "model", "optim", "rl", "init_from"),
+  depends=("seed", "model", "optim", "rl", "data.tokenizer", "init_from"),
   outputs=("rl", "rl_metrics", "rl_episodes", "rl_nofb", "rl_nofb_metrics", "rl_nofb_episodes", "rl.json"),
   upstream=lambda config: ("sft", "synth") if config.rl.env == "coding" else ("sft",),
   extends=tuple(f"rl.{k}" for k in configs.CADENCE),

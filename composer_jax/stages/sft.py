@@ -1,10 +1,11 @@
-"""Stage `sft`: the small one-device RL model (`configs.rl_model`) warmed up on toy tool-use demonstrations.
-With `init_from`, the checkpoint's own model and tokenizer (`rl.tokenizer`) instead, from its weights.
+"""Stage `sft`: the pretrained model warmed up on tool-use demonstrations, on the same two meshes.
 
-  <workdir>/sft (checkpoints), sft_metrics/ (JSONL), sft.json (losses, evaluation on fresh problems)
+  <workdir>/sft (checkpoints), sft_metrics/ (JSONL), sft.json (losses, where the weights came from,
+  evaluation on fresh problems)
 
-Resumes mid-run from its newest checkpoint: the batch of step s is a pure function of (seed, s). The
-summary's first → last loss comes from the metrics file (every step so far, also after a resume).
+Starts from the newest pretrain checkpoint (or `init_from`'s weights; `sft.init="random"`: a fresh init),
+and says which, with the first batch's loss under those weights next to a random init's. Resumes mid-run
+from its own newest checkpoint: the batch of step s is a pure function of (seed, s).
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ from typing import Any
 import jax
 from absl import logging
 
-from composer_jax import configs, optim
+from composer_jax import configs, optim, sharding
 from composer_jax.configs import Config
-from composer_jax.model.config import ModelConfig
-from composer_jax.stages import outputs
+from composer_jax.stages import outputs, weights
 from composer_jax.stages.record import Interrupted, Stage
 
 # What the sampled evaluation after SFT depends on, besides the SFT run itself.
 _ROLLOUT_FIELDS = ("env", "stale", "temperature", "top_k", "max_turns", "max_turn_tokens", "cache_len")
-_ROLLOUT_FIELDS += ("tokenizer",)
+INITS = ("pretrain", "random")
 
 
 def sft_optimizer(config: Config) -> configs.OptimizerConfig:
@@ -33,44 +33,53 @@ def sft_optimizer(config: Config) -> configs.OptimizerConfig:
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
-  """SFT on `toy.demonstrations`; resumes from `<workdir>/sft`; evaluates on fresh problems."""
+  """SFT on the env's demonstrations; resumes from `<workdir>/sft`; evaluates on fresh problems."""
   from composer_jax import train
   from composer_jax.rl import chat, rollout, sft
   from composer_jax.rl.envs import factories
+  from composer_jax.train import loop
+  from composer_jax.train import step as step_lib
 
-  cfg, scfg = configs.rl_model(config), config.sft
+  cfg, scfg = config.model, config.sft
+  meshes = sharding.make_meshes(config)
   ocfg = sft_optimizer(config)
-  tx = optim.build_optimizer(cfg, ocfg, None)
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), None, params=checkpoint_params(config))
+  tx = optim.build_optimizer(cfg, ocfg, meshes)
+  tok = chat.tokenizer(config.data.tokenizer)
+  demos = factories.demonstrations(config.rl, scfg, config.seed, tok)
   record = configs.record(
     model=cfg, optim=configs.identity(ocfg), sft=configs.identity(scfg), seed=config.seed
   )
   metrics_dir, notes = pathlib.Path(workdir, "sft_metrics"), {"total_steps": ocfg.total_steps}
   with outputs.opened(pathlib.Path(workdir, "sft"), record, scfg.keep_checkpoints, metrics_dir, notes) as out:
-    state, _ = outputs.resume(out, state, "sft", ocfg)
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
+    state, resumed = outputs.resume(out, state, "sft", ocfg)
+    start: dict[str, Any] = {"init": f"resumed at step {int(state.step)}"}
+    if resumed is None:
+      state, start = _fresh_state(config, workdir, state, tx, demos, meshes, tok.pad_id)
     logging.info(
-      "[sft] %s params, one device (meshes None), %d steps x %d demos",
-      f"{n_params:,}",
-      scfg.steps,
-      scfg.batch_size,
-    )
-    demos = factories.demonstrations(config.rl, scfg, config.seed)
-    step = sft.make_sft_step(cfg, tx, optim.lr_schedule(ocfg), router_bias_rate=scfg.router_bias_rate)
-    state, summary = sft.fit(
-      state, step, demos, scfg, seed=config.seed, writer=out.writer, save=out.save, check=out.check,
-      pad_id=chat.tokenizer(config.rl.tokenizer).pad_id,
+      "[sft] %s params on %s; %d steps x %d rows", f"{sum(x.size for x in jax.tree.leaves(state.params)):,}",
+      sharding.describe(meshes), scfg.steps, scfg.batch_size,
     )  # fmt: skip
-  if summary["interrupted"]:
-    raise Interrupted(f"sft stopped at step {summary['steps']} and saved its checkpoint")
-  summary.pop("losses")
-  from composer_jax.train import metrics
-
-  logged = metrics.read_history(metrics_dir / "metrics.jsonl", "loss")
-  if logged:  # the whole run's first and last loss, also after a resume
-    summary["first_loss"], summary["last_loss"] = logged[0]["loss"], logged[-1]["loss"]
+    rows = sft.make_batch(demos, scfg, config.seed, 1, tok.pad_id)
+    step = step_lib.make_step(
+      step_lib.next_token_loss(cfg, meshes), tx, cfg, schedule=optim.lr_schedule(ocfg), meshes=meshes,
+      state_sharding=train.state.state_shardings(state), batch_sharding=_shardings(rows, meshes),
+      router_bias_rate=scfg.router_bias_rate,
+    )  # fmt: skip
+    hooks = sft.hooks(
+      demos, scfg, seed=config.seed, meshes=meshes, pad_id=tok.pad_id, save=out.save, check=out.check,
+      writer=out.writer,
+    )  # fmt: skip
+    schedule = loop.Schedule(scfg.steps, scfg.log_every, 0, scfg.checkpoint_every)
+    state, result = loop.fit(state, step, schedule, hooks, name="sft")
+  if result.interrupted:
+    raise Interrupted(f"sft stopped at step {result.steps} and saved its checkpoint")
+  s = result.summary("loss")
+  summary = {k: s[k] for k in ("start_step", "steps", "first_loss", "last_loss", "seconds")} | start
   for name, temp in (("sampled", config.rl.temperature), ("greedy", 0.0)) if scfg.eval_problems else ():
-    ev = rollout.evaluate(state.params, cfg, config.rl, n=scfg.eval_problems, temperature=temp)
+    ev = rollout.evaluate(
+      state.params, cfg, config.rl, tok, meshes=meshes, n=scfg.eval_problems, temperature=temp
+    )
     summary[f"eval_{name}"] = ev
     logging.info(
       "[sft] eval (%s, %d problems): pass %.2f invalid-call rate %.3f turns %.2f",
@@ -81,41 +90,41 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   return summary
 
 
-def checkpoint_params(config: Config) -> Any | None:
-  """The `init_from` checkpoint's weights on one device (None without `init_from`): what sft starts from,
-  and gate and rl when there is no SFT checkpoint."""
-  if not config.init_from:
-    return None
-  from composer_jax import model
+def _shardings(batch: Any, meshes: sharding.Meshes) -> Any:
+  from composer_jax.train import batch as batch_lib
 
-  logging.info("[sft] weights from the Hugging Face checkpoint %s", config.init_from)
-  return model.load_hf_checkpoint(config.init_from, configs.rl_model(config), None)
+  return batch_lib.shardings(batch, meshes)
 
 
-def load_params(workdir: str, cfg: ModelConfig) -> Any | None:
-  """Params of the newest `<workdir>/sft` checkpoint (None if there is none); its model must be `cfg`."""
+def _fresh_state(
+  config: Config, workdir: str, state: Any, tx: Any, demos: list, meshes: sharding.Meshes, pad_id: int
+) -> tuple[Any, dict]:
+  """The state SFT starts from (the upstream weights, a fresh optimizer state) and where they came from,
+  with the first batch's loss under them and under the random init `state` holds."""
   from composer_jax import train
-  from composer_jax.train import checkpoint
+  from composer_jax.rl import sft
+  from composer_jax.train import batch as batch_lib
+  from composer_jax.train.step import forward_nll
 
-  d = pathlib.Path(workdir, "sft")
-  if not d.exists():
-    return None
-  probe = checkpoint.Checkpointer(d, {}, keep=100)
-  step = probe.latest_step()
-  meta = None if step is None else probe.read_meta(step)
-  probe.close()
-  if meta is None:
-    return None
-  if meta["config"].get("model") != configs.record(model=cfg)["model"]:
-    raise checkpoint.CheckpointError(f"{d}/{step} holds a different model than config.rl.model; rerun sft.")
-  ocfg = configs.optimizer_for(configs.from_dict(configs.OptimizerConfig, meta["config"]["optim"]), 2)
-  template = train.create_state(cfg, optim.build_optimizer(cfg, ocfg, None), jax.random.key(0), None)
-  ck = checkpoint.Checkpointer(d, meta["config"], keep=100)
-  try:
-    state, _ = ck.restore(template, step)
-  finally:
-    ck.close()
-  return state.params
+  if config.sft.init == "random":
+    params, source = state.params, "a random init (sft.init=random)"
+  else:
+    params, source = weights.starting_params(config, workdir, "pretrain", meshes)
+  batch = batch_lib.place(sft.make_batch(demos, config.sft, config.seed, 1, pad_id), meshes)
+  loss = jax.jit(lambda p, b: forward_nll(p, config.model, b, meshes)[:2])
+
+  def mean(p):
+    total, count = loss(p, batch)
+    return float(total) / max(float(count), 1.0)
+
+  start = {"init": source, "start_loss": mean(params), "random_init_loss": mean(state.params)}
+  logging.info(
+    "[sft] weights from %s: first batch loss %.4f (a random init: %.4f)",
+    source, start["start_loss"], start["random_init_loss"],
+  )  # fmt: skip
+  if params is state.params:
+    return state, start
+  return train.create_state(config.model, tx, jax.random.key(config.seed), meshes, params=params), start
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -123,7 +132,8 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 
 
 def _summarize(s: dict, w: pathlib.Path) -> dict:
-  out = {k: s.get(k) for k in ("steps", "first_loss", "last_loss")}
+  out = {k: s.get(k) for k in ("start_step", "steps", "first_loss", "last_loss", "init", "start_loss")}
+  out["random_init_loss"] = s.get("random_init_loss")
   for name in ("sampled", "greedy"):
     ev = s.get(f"eval_{name}") or {}
     out[name] = {k: ev.get(k) for k in ("pass_rate", "invalid_call_rate", "turns_per_rollout")}
@@ -132,42 +142,57 @@ def _summarize(s: dict, w: pathlib.Path) -> dict:
 
 def _lines(r: dict) -> list[str]:
   s, g = r["sampled"], r["greedy"]
+  start = f"  from {r.get('init')}"
+  if r.get("start_loss") is not None:
+    start += f": first batch loss {_f(r['start_loss'])} (a random init: {_f(r.get('random_init_loss'))})"
   return [
-    f"  {r['steps']} steps: loss {_f(r['first_loss'])} -> {_f(r['last_loss'])}; "
+    start,
+    f"  steps {r.get('start_step')}->{r['steps']}: loss {_f(r['first_loss'])} -> {_f(r['last_loss'])}; "
     f"sampled pass {_f(s['pass_rate'], '.2f')} invalid-call rate {_f(s['invalid_call_rate'])}; "
     f"greedy pass {_f(g['pass_rate'], '.2f')} invalid {_f(g['invalid_call_rate'])}",
     f"  checkpoints {r['checkpoints']}, metrics {r['metrics']}",
   ]
 
 
-def _check(config: Config) -> None:
-  """The model builds and the chat tokenizer has the turn format's tokens and fits the vocabulary."""
+def check_chat(config: Config) -> None:
+  """The meshes fit, and the tokenizer has the turn format's tokens and fits the model's vocabulary (the
+  check of every stage that trains or samples chat turns)."""
   from composer_jax.rl import chat
 
+  configs.check_meshes(config)
   try:
-    cfg = configs.rl_model(config)
-  except ValueError as e:
-    raise configs.ConfigError(f"rl.model: {e}") from None
-  try:
-    tok = chat.tokenizer(config.rl.tokenizer)
+    tok = chat.tokenizer(config.data.tokenizer)
   except (ValueError, OSError) as e:
-    raise configs.ConfigError(f"rl.tokenizer: {e}") from None
-  if tok.vocab_size > cfg.vocab_size:
+    raise configs.ConfigError(f"data.tokenizer: {e}") from None
+  if tok.vocab_size > config.model.vocab_size:
     raise configs.ConfigError(
-      f"rl.tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}: "
-      "raise --config.rl.model.vocab_size (or use the checkpoint's own tokenizer)"
+      f"data.tokenizer has {tok.vocab_size} ids but model.vocab_size is {config.model.vocab_size}: "
+      "raise --config.model.vocab_size (or use the checkpoint's own tokenizer)"
     )
+
+
+def _check(config: Config) -> None:
+  check_chat(config)
+  s = config.sft
+  if s.init not in INITS:
+    raise configs.ConfigError(f"sft.init {s.init!r}: known {', '.join(INITS)}")
+  configs.check_batch("sft.batch_size", s.batch_size, 32, config)  # rows padded to a multiple of 32
+
+
+def _upstream(config: Config) -> tuple[str, ...]:
+  return ("pretrain",) if config.sft.init == "pretrain" and not config.init_from else ()
 
 
 STAGE = Stage(
   name="sft",
   run=run,
   check=_check,
-  doc="SFT warm-up of the small one-device RL model on toy tool-use demonstrations",
-  depends=("seed", "model", "optim", "sft", "rl.model", "init_from")
+  doc="SFT of the pretrained model on tool-use demonstrations (both meshes)",
+  depends=("seed", "model", "optim", "sft", "data.tokenizer", "init_from")
   + tuple(f"rl.{k}" for k in _ROLLOUT_FIELDS),
   extends=tuple(f"sft.{k}" for k in configs.CADENCE),
   outputs=("sft", "sft_metrics", "sft.json"),
+  upstream=_upstream,
   summarize=_summarize,
   lines=_lines,
 )

@@ -39,6 +39,9 @@ class Schedule:
   checkpoint_every: int = 0  # 0: save only at the end
   eval_at_start: bool = True  # evaluate before the first step of a fresh run (the curve's origin)
   max_skipped_in_a_row: int = 10  # this many non-finite steps in a row stop the run (Diverged), unsaved
+  # With `Hooks.tolerate_failures`: this many failed steps in a row re-raise the last failure (a broken
+  # environment or program fails every step; a flaky one does not).
+  max_failed_in_a_row: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,17 @@ class Result:
   evals: list[dict[str, float]] = dataclasses.field(default_factory=list)  # {"step": s, **metrics}
   seconds: float = 0.0
   seconds_per_step: float | None = None  # after the first (compiling) step; evals and saves included
+
+  def summary(self, *keys: str) -> dict:
+    """What a stage's summary needs: the step range, timing, and the first and last value of each key
+    over the steps and evaluations of this run (after a resume: from the resumed step on; the metrics
+    file has the whole history)."""
+    out = {k: getattr(self, k) for k in ("start_step", "steps", "interrupted", "failed_steps")}
+    out |= {k: getattr(self, k) for k in ("skipped_steps", "seconds", "seconds_per_step")}
+    for key in keys:
+      values = [r[key] for r in self.history + self.evals if key in r]
+      out[f"first_{key}"], out[f"last_{key}"] = (values[0], values[-1]) if values else (None, None)
+    return out | {"history": self.history, "evals": self.evals}
 
 
 class Diverged(RuntimeError):
@@ -174,8 +188,10 @@ def fit(
   state: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], schedule: Schedule, hooks: Hooks, *, name: str
 ) -> tuple[Any, Result]:
   """Trains from `state.step` to `schedule.steps`; returns (state, Result). See the module docstring."""
+  if schedule.steps < 1:
+    raise ValueError(f"[{name}] steps must be >= 1, got {schedule.steps}")
   start = int(state.step)  # read before any donation (see the module docstring)
-  step, pending = start, None
+  step, pending, failed_in_a_row = start, None, 0
   if hooks.writer is not None:
     hooks.writer.resume_from(start)  # a resumed run redoes the steps after its checkpoint: one record each
   with console.progress(schedule.steps, start, name) as bar, stop_on_signal(name) as stop:
@@ -190,12 +206,13 @@ def fit(
         t_dispatch = time.perf_counter()
         state, metrics = step_fn(state, batch)  # dispatched; the previous step's metrics are read below
       except Exception as e:
-        if not hooks.tolerate_failures:
+        failed_in_a_row += 1
+        if not hooks.tolerate_failures or failed_in_a_row >= schedule.max_failed_in_a_row:
           raise
         run.result.failed_steps += 1
         logging.warning("[%s] step %d failed: %s: %s", name, s, type(e).__name__, str(e)[:300])
         continue
-      step = s
+      step, failed_in_a_row = s, 0
       if hooks.check is not None:
         hooks.check()
       if pending is not None:

@@ -3,7 +3,7 @@
   make = factory(rcfg, workdir, episodes_dir)   # by `rcfg.env`: "stale" | "toy" | "coding"
   env_list, seeds, group_ids = make(step)        # P problems × G rollouts, one group per problem
   env_list, seeds = fixed_set(rcfg, n)           # the fixed evaluation problems (arithmetic envs)
-  demos = demonstrations(rcfg, scfg, seed)       # the SFT corpus of the env's family
+  demos = demonstrations(rcfg, scfg, seed, tok)  # the SFT corpus of the env's family
 
 Adding an environment: write it under `rl/envs/` (the `Env` protocol in `rl/envs/__init__.py`), then a
 factory here and its name in `FACTORIES` (and in `MAKE_ONE` if it has a fixed evaluation set).
@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from composer_jax.configs import RLConfig, SFTConfig
+from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.rl.envs import Env
 
 Make = Callable[[int], tuple[list[Env], list[int], list[int]]]
@@ -77,13 +78,11 @@ def fixed_set(rcfg: RLConfig, n: int, seed: int = 12345) -> tuple[list[Env], lis
   return [MAKE_ONE[rcfg.env](rcfg) for _ in seeds], seeds
 
 
-def demonstrations(rcfg: RLConfig, scfg: SFTConfig, seed: int) -> list:
-  """The SFT corpus: the stale-docs demonstrations for `stale`, the toy's otherwise (coding has none:
-  the small model learns the turn format on the toy)."""
-  from composer_jax.rl import chat
+def demonstrations(rcfg: RLConfig, scfg: SFTConfig, seed: int, tok: Tokenizer) -> list:
+  """The SFT corpus in `tok`'s ids: the stale-docs demonstrations for `stale`, the toy's otherwise (coding
+  has none: the model learns the turn format on the toy)."""
   from composer_jax.rl.envs import stale, toy
 
-  tok = chat.tokenizer(rcfg.tokenizer)
   if rcfg.env == "stale":
     cfg = stale.StaleConfig(max_ops=rcfg.stale.max_ops, max_turns=rcfg.max_turns)
     return stale.demonstrations(scfg.demos, seed=seed, cfg=cfg, tok=tok)
