@@ -21,6 +21,7 @@ process sees (GCS, a shared file system).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -262,17 +263,29 @@ class Checkpointer:
     return f"{step} ({why})"
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
-    self.check()
-    self._checksum_new_steps()
+    """Waits for pending saves; one that failed (e.g. the final save on a full disk) raises
+    CheckpointSaveError, like a failure that `check` finds."""
+    try:
+      self._manager.wait_until_finished()
+      self.check()
+      self._checksum_new_steps()
+    except CheckpointSaveError:
+      raise
+    except Exception as e:
+      self._failed(e)
 
   def close(self) -> None:
-    """Waits for pending saves and closes; a failed save is reported (raised) unless the run is already
-    failing, in which case the first error stands."""
+    """Waits for pending saves and closes; a failed save is reported (raised) as CheckpointSaveError.
+    Closing the manager re-raises a failed save's error: ignored then, the first report stands."""
     try:
       self.wait()
-    finally:
+    except BaseException:
+      with contextlib.suppress(Exception):
+        self._manager.close()
+      raise
+    else:
       self._manager.close()
+    finally:
       self._remove_partial_saves()  # nothing is in flight now: a tmp directory left is a failed save's
 
 
