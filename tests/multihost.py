@@ -71,11 +71,11 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.C
     for p in procs:
       stdout, stderr = p.communicate(timeout=timeout)
       out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-  finally:
+  except subprocess.TimeoutExpired:
     for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
+      p.kill()
+    tails = [f"process {i}:\n{(p.communicate()[1] or '')[-2000:]}" for i, p in enumerate(procs)]
+    raise TimeoutError(f"not done after {timeout}s (a hang?)\n" + "\n".join(tails)) from None
   return out
 
 

@@ -94,5 +94,17 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_one_save(tmp_pat
   }
 
 
+def test_a_shard_corrupted_on_one_process_sets_the_step_aside_on_all(tmp_path):
+  """Process 1's file of step 2 is damaged: each process hashes only its own files (none reads the
+  other's), the verdicts are combined, and both set step 2 aside and restore step 1."""
+  outs = multihost.run_function(
+    "multihost_probes:checkpoint_verdicts", 2, 2, args=(str(tmp_path / "ckpt"), 1), timeout=300
+  )
+  for k, out in enumerate(outs):
+    assert out["step"] == 1 and out["total"] == 1024.0 and out["set_aside"] == ["2"], (k, out)
+    others = [h for h in out["hashed"] if "ocdbt.process_" in h and f"ocdbt.process_{k}" not in h]
+    assert out["hashed"] and not others, (k, out["hashed"])
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
