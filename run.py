@@ -1,8 +1,9 @@
 """Entry point: flags → config → `pipeline.run`. Launch commands: experiments/composer25.py.
 
-A problem the user can fix (an unknown config key or stage, a missing config file, an unusable workdir,
-an incompatible checkpoint) ends in one line on stderr and exit status 2; an interrupt (Ctrl-C, SIGTERM)
-after the stage saved, in one line and status 130.
+A problem the user can fix (an unknown config key or stage, a missing config file, an unusable or busy
+workdir, an unusable number, an incompatible checkpoint) ends in one line on stderr and exit status 2; a
+failure the run cannot go past (a full disk, a failed gate before rl, divergence) in one line and status 1;
+an interrupt (Ctrl-C, SIGTERM) after the stage saved, in one line and status 130.
 """
 
 import signal

@@ -3,8 +3,11 @@
   results = pipeline.run(config, workdir)     # config: an experiment's ConfigDict or a configs.Config
 
 The config is validated first (`configs.from_config`: an unknown key anywhere fails before any work,
-naming it), then each stage runs or is skipped (`resume.run_stage`: a finished stage with the same config
-is reused). What a stage is, what it depends on and writes, and how the summary shows it live in its
+naming it; `checks.numbers`: no steps, a negative cadence, a non-finite value), the workdir is locked
+(`lock`: a second run on it stops, naming the first), then each stage runs or is skipped
+(`resume.run_stage`: a finished stage with the same config is reused). A stage that needs a gate (rl)
+does not start after that gate failed (`GateFailed`) unless `gate.required=False`; its summary then
+carries the warning. What a stage is, what it depends on and writes, and how the summary shows it live in its
 record (`composer_jax/stages/`). Nothing imports this module but `run.py`, notebooks and tests.
 """
 

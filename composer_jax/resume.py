@@ -8,8 +8,10 @@ entries the stage depends on (`stage.depends`) plus the finished runs of the sta
 `resume_on_change` (pretrain: its checkpointer continues what it can and refuses the rest, naming the
 field) or only its `extends` paths changed (more steps, another logging cadence), the marker kept until it
 finishes; otherwise from scratch, with its `outputs` moved to `<workdir>/stages/previous/<stage>-<time>/`
-(never deleted). `force` starts over the same way. No marker is written for an interrupted stage, nor for
-one whose summary says `incomplete`, so the next run resumes or retries it.
+(never deleted). `force` starts over the same way, once: `<workdir>/stages/<stage>.forced` stays until
+that run finishes, so rerunning the same command (still with `--config.force`) after an interrupt resumes
+it. No marker is written for an interrupted stage, nor for one whose summary says `incomplete`, so the
+next run resumes or retries it.
 """
 
 from __future__ import annotations
