@@ -76,7 +76,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
 
 def _fetch(x: jax.Array) -> np.ndarray:
   """The whole of a (possibly multi-process) global array on this host: `np.asarray` cannot read the
-  shards other processes hold (DESIGN.md: only through `multihost_utils`)."""
+  shards other processes hold: `multihost_utils` can."""
   from jax.experimental import multihost_utils
 
   if x.is_fully_addressable:  # one process (process_allgather would stack every process's copy)

@@ -80,11 +80,10 @@ class _Stop:
 
   `agreed()`, called by every process before each step, says whether to stop there: on one process,
   whether a signal came; on several, whether one came to any process, from an all-gather of the flags
-  (one tiny collective per step). All then stop before the same step and save together (DESIGN.md,
-  "Scale beyond one machine"): one process stopping alone would wait in its save for the others, which
-  wait in the next step's collectives. The decision is the gathered value only: a signal landing during
-  the gather counts at the next step, on every process at once. `requested`: this process stops (its
-  own signal, or another's agreed).
+  (one tiny collective per step). All then stop before the same step and save together: one process
+  stopping alone would wait in its save for the others, which wait in the next step's collectives. The
+  decision is the gathered value only: a signal landing during the gather counts at the next step, on
+  every process at once. `requested`: this process stops (its own signal, or another's agreed).
   """
 
   def __init__(self, name: str):
