@@ -20,6 +20,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import numpy as np
 from absl import logging
 
 from composer_jax.strict import ConfigError
@@ -108,10 +109,30 @@ def release(workdir: str, mine: dict) -> None:
       path.unlink()
 
 
+def _agreed(busy: WorkdirBusy | None) -> None:
+  """Raises on every process when process 0 could not take the lock (the others would otherwise go on
+  into the first stage's collectives and wait there for it)."""
+  import jax
+
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    if multihost_utils.broadcast_one_to_all(np.int32(busy is not None)) and busy is None:
+      busy = WorkdirBusy("process 0 could not take the workdir's lock: another run holds it (see its line)")
+  if busy is not None:
+    raise busy
+
+
 @contextlib.contextmanager
 def hold(workdir: str, primary: bool = True) -> Iterator[None]:
-  """The workdir's lock for the duration (taken by the primary process only)."""
-  mine = acquire(workdir) if primary else None
+  """The workdir's lock for the duration (taken by the primary process; all raise if it could not)."""
+  mine, busy = None, None
+  if primary:
+    try:
+      mine = acquire(workdir)
+    except WorkdirBusy as e:
+      busy = e
+  _agreed(busy)
   try:
     yield
   finally:

@@ -60,3 +60,17 @@ def checkpoint_verdicts(directory: str, corrupt_process: int) -> dict:
     hashed=hashed,
     set_aside=sorted(p.name.split("-")[0] for p in pathlib.Path(directory, "corrupt").iterdir()),
   )
+
+
+def workdir_lock(workdir: str) -> str:
+  """Every process enters the pipeline's lock (process 0 takes it): what each one got."""
+  import jax
+
+  from composer_jax import lock
+
+  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+  try:
+    with lock.hold(workdir, primary=jax.process_index() == 0):
+      return "held"
+  except lock.WorkdirBusy as e:
+    return str(e)

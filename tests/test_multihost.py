@@ -106,5 +106,20 @@ def test_a_shard_corrupted_on_one_process_sets_the_step_aside_on_all(tmp_path):
     assert out["hashed"] and not others, (k, out["hashed"])
 
 
+def test_a_busy_workdir_stops_every_process(tmp_path):
+  """Process 0 cannot take the lock (this live test process holds it): all processes stop, none goes on."""
+  import os
+  import socket
+
+  from composer_jax import lock
+
+  holder = dict(pid=os.getpid(), host=socket.gethostname(), since=0)
+  (tmp_path / lock.NAME).write_text(json.dumps(holder))
+  outs = multihost.run_function("multihost_probes:workdir_lock", 2, 1, args=(str(tmp_path),), timeout=240)
+  assert f"in use by pid {os.getpid()}" in outs[0] and "process 0 could not take" in outs[1], outs
+  free = multihost.run_function("multihost_probes:workdir_lock", 2, 1, args=(str(tmp_path / "free"),))
+  assert free == ["held", "held"] and not (tmp_path / "free" / lock.NAME).exists()
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
