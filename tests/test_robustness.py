@@ -154,15 +154,17 @@ def test_raising_steps_trains_on_and_a_refused_change_damages_nothing(straight, 
   assert json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"] == extended
 
 
-def _on_a_full_disk(tmp_path, corpus_dir, kib: int, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
-  """run.py with `<tmp_path>/w/checkpoints` on a `kib` KiB tmpfs (bubblewrap mount namespace): (the run,
+def _on_a_full_disk(
+  tmp_path, corpus_dir, kib: int, *extra: str, where: str = "checkpoints"
+) -> tuple[subprocess.CompletedProcess, str]:
+  """run.py with `<tmp_path>/w/<where>` on a `kib` KiB tmpfs (bubblewrap mount namespace): (the run,
   `ls -AR` of the full disk when it ended). The run must end in one line naming the full disk."""
   if not sandbox.available():
     pytest.skip("bubblewrap not installed (the full disk is a size-capped tmpfs in a mount namespace)")
   small = tmp_path / "small"
   small.mkdir()
   (tmp_path / "w").mkdir()
-  os.symlink(small, tmp_path / "w" / "checkpoints")
+  os.symlink(small, tmp_path / "w" / where)
   listing = tmp_path / "left_on_the_full_disk.txt"
   inner = " ".join(map(shlex.quote, _cmd(tmp_path / "w", corpus_dir, *extra)))
   script = f"{inner}; rc=$?; ls -AR {shlex.quote(str(small))} > {shlex.quote(str(listing))}; exit $rc"
@@ -197,6 +199,12 @@ def test_a_full_final_save_is_one_line_and_keeps_the_last_checkpoint(corpus_dir,
   assert "saving a checkpoint" in p.stderr.strip().splitlines()[-1] and "kept: [4]" in p.stderr
   top = listing.split("\n\n")[0].split()
   assert "4" in top and "8" not in top and "orbax-checkpoint-tmp" not in listing
+
+
+def test_a_full_disk_while_preparing_the_data_is_one_line(corpus_dir, tmp_path):
+  """The tokenized corpus (tfds, under the workdir) does not fit: one line, not the writer's traceback."""
+  p, _ = _on_a_full_disk(tmp_path, corpus_dir, 64, where="tfds")
+  assert "what finished and the checkpoints saved before are kept" in p.stderr.strip().splitlines()[-1]
 
 
 def test_a_second_run_on_a_workdir_in_use_stops_at_once_naming_the_holder(corpus_dir, tmp_path):
