@@ -207,6 +207,24 @@ def test_a_full_disk_while_preparing_the_data_is_one_line(corpus_dir, tmp_path):
   assert "what finished and the checkpoints saved before are kept" in p.stderr.strip().splitlines()[-1]
 
 
+def test_rl_alone_after_a_failed_gate_stops_in_one_line_naming_it(corpus_dir, tmp_path):
+  """`--config.stages=rl` on a workdir whose gate failed on the current SFT checkpoint (markers as the
+  stages leave them): one line naming the failed gates and the flag that goes on; nothing of rl runs."""
+  (tmp_path / "stages").mkdir()
+  sft = dict(stage="sft", run="r1", fingerprint="f", finished="then", seconds=1.0, config={}, summary={})
+  gate = dict(stage="gate", run="r2", fingerprint="g", finished="then", seconds=1.0, config={})
+  gate["config"]["upstream.sft"] = dict(fingerprint="f", run="r1")
+  gate["summary"] = dict(
+    passed=False, gates={"G1": {"pass": False, "why": "-"}, "G2": {"pass": True, "why": "-"}}
+  )
+  for name, marker in (("sft", sft), ("gate", gate)):
+    (tmp_path / "stages" / f"{name}.json").write_text(json.dumps(marker))
+  p = _run(tmp_path, corpus_dir, "--config.stages=rl")
+  last = p.stderr.strip().splitlines()[-1]
+  assert p.returncode == 1 and "stage gate FAILED (G1)" in last and "gate.required=False" in last, p.stderr
+  assert "Traceback" not in p.stderr and not (tmp_path / "rl").exists()
+
+
 def test_a_second_run_on_a_workdir_in_use_stops_at_once_naming_the_holder(corpus_dir, tmp_path):
   """Two runs on one workdir: the second stops in one line naming the first's pid and host, and leaves
   the first alone (it stops cleanly on SIGTERM and releases the lock)."""
