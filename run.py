@@ -1,8 +1,9 @@
 """Entry point: flags → config → `pipeline.run`. Launch commands: experiments/composer25.py.
 
-A problem the user can fix (an unknown config key or stage, a missing config file, an unusable workdir,
-an incompatible checkpoint) ends in one line on stderr and exit status 2; an interrupt (Ctrl-C, SIGTERM)
-after the stage saved, in one line and status 130.
+A problem the user can fix (an unknown config key or stage, a missing config file, an unusable or busy
+workdir, an unusable number, an incompatible checkpoint) ends in one line on stderr and exit status 2; a
+failure the run cannot go past (a full disk, a failed gate before rl, divergence) in one line and status 1;
+an interrupt (Ctrl-C, SIGTERM) after the stage saved, in one line and status 130.
 """
 
 import signal
@@ -225,18 +226,39 @@ def main(argv):
 
 def _known_failure(e: Exception) -> tuple[str, int]:
   """(one line, exit status) for the failures a user can act on; re-raises anything else."""
+  from composer_jax import pipeline
   from composer_jax.stages import Interrupted
   from composer_jax.train import loop
 
   if isinstance(e, Interrupted):
     return f"{e}; what finished and what the stage saved are kept: rerun the same command to resume", 130
-  if isinstance(e, loop.Diverged):
+  if isinstance(e, loop.Diverged | pipeline.GateFailed):
     return str(e), 1
   if type(e).__name__ == "MissingUpstream":  # a stage's starting weights: one line naming what to run
     return str(e), 2
   if type(e).__name__ in ("CheckpointError", "CheckpointSaveError"):  # orbax: imported by the stages
     return str(e).replace("\n", " "), 2 if type(e).__name__ == "CheckpointError" else 1
+  full = _disk_full(e)
+  if full:
+    return f"{full}; what finished and the checkpoints saved before are kept: free space and rerun", 1
   raise e
+
+
+def _disk_full(e: BaseException) -> str | None:
+  """`No space left on device (<what failed>)` when ENOSPC or a disk quota is anywhere in the chain of
+  `e` (an OSError, or a library's error that quotes it), else None."""
+  import errno
+
+  chain: list[BaseException] = []
+  while e is not None and all(e is not c for c in chain):
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  for c in chain:
+    os_full = isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)
+    if os_full or "No space left on device" in str(c) or "Disk quota exceeded" in str(c):
+      what = f"{c.filename}" if isinstance(c, OSError) and c.filename else str(c).splitlines()[0][:160]
+      return f"{os.strerror(c.errno) if os_full else 'No space left on device'} ({what})"
+  return None
 
 
 if __name__ == "__main__":

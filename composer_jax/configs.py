@@ -250,9 +250,7 @@ class RLConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class GateConfig:
-  """The `gate` stage (`rl.gate`): does the hinted teacher beat the student on flagged turns? Before RL."""
-
+class GateConfig:  # the `gate` stage (`rl.gate`): does the hinted teacher beat the student? Before RL
   min_flagged: int = 100  # flagged turns (the first per rollout) to collect at least
   samples: int = 8  # resamples of each flagged turn per context
   rollouts_per_batch: int = 128
@@ -265,6 +263,7 @@ class GateConfig:
   g4_prefix_tol: float = 0.01  # teacher may not lower the valid prefix's valid mass by more
   g5_min_gap: float = 0.2  # reward of unflagged - flagged rollouts
   g5_share: tuple[float, float] = (0.1, 0.6)  # flagged share of rollouts
+  required: bool = True  # a failed gate stops the run before stage rl; False: rl runs, its summary says so
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,8 @@ def text(report: dict[str, Any]) -> str:
     when = "skipped, finished " + r.get("finished", "?") if r.get("skipped") else "ran"
     lines.append(f"{name} ({_seconds(r.get('seconds'))} s, {when})")
     lines += REGISTRY[name].lines(r)
+    if r.get("warning"):  # e.g. rl run after a failed gate
+      lines.append(f"  WARNING: {r['warning']}")
   total = sum(r.get("seconds", 0.0) for r in st.values())
   lines.append(
     "wall time: " + ", ".join(f"{s} {_seconds(r.get('seconds'))} s" for s, r in st.items()) + "; "

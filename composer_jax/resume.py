@@ -8,8 +8,10 @@ entries the stage depends on (`stage.depends`) plus the finished runs of the sta
 `resume_on_change` (pretrain: its checkpointer continues what it can and refuses the rest, naming the
 field) or only its `extends` paths changed (more steps, another logging cadence), the marker kept until it
 finishes; otherwise from scratch, with its `outputs` moved to `<workdir>/stages/previous/<stage>-<time>/`
-(never deleted). `force` starts over the same way. No marker is written for an interrupted stage, nor for
-one whose summary says `incomplete`, so the next run resumes or retries it.
+(never deleted). `force` starts over the same way, once: `<workdir>/stages/<stage>.forced` stays until
+that run finishes, so rerunning the same command (still with `--config.force`) after an interrupt resumes
+it. No marker is written for an interrupted stage, nor for one whose summary says `incomplete`, so the
+next run resumes or retries it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def record(stage: Stage, config: Config, workdir: str) -> dict[str, Any]:
       node = node.get(key) if isinstance(node, dict) else None
     if node is not None:
       rec[path] = node
+  for path in stage.ignores:
+    *parents, leaf = path.split(".")
+    node = rec
+    for key in parents:
+      node = node.get(key, {}) if isinstance(node, dict) else {}
+    if isinstance(node, dict):
+      node.pop(leaf, None)
   for up in stage.upstream(config):
     done = _read_marker(workdir, up)
     rec[f"upstream.{up}"] = done and dict(fingerprint=done["fingerprint"], run=done.get("run"))
@@ -54,13 +63,31 @@ def _read_marker(workdir: str, stage: str) -> dict | None:
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def finished(workdir: str, stage: str) -> dict | None:
+  """The marker of a finished stage ({summary, config, run, ...}), None if it has not finished."""
+  return _read_marker(workdir, stage)
+
+
+def _forced(workdir: str, stage: str) -> pathlib.Path:
+  """Present from a forced start-over until that run of the stage finishes: a rerun of the same command
+  (which still says --config.force) resumes it instead of starting over again."""
+  return pathlib.Path(workdir, "stages", f"{stage}.forced")
+
+
 def run_stage(stage: Stage, config: Config, workdir: str, force: bool) -> tuple[dict, dict]:
   """(the stage's summary, {seconds, skipped, finished}); writes the marker when the stage finished."""
   rec = record(stage, config, workdir)
   fp = configs.fingerprint(rec)
   done = _read_marker(workdir, stage.name)
-  if force:
+  if force and _forced(workdir, stage.name).exists():
+    logging.info(
+      "[pipeline] %s: resuming its forced run, which was interrupted (--config.force starts a stage over "
+      "once; after it finishes, the same flag starts it over again)", stage.name,
+    )  # fmt: skip
+  elif force:
     _set_aside(stage, workdir, "forced", forced=True)
+    if _is_writer():
+      _forced(workdir, stage.name).write_text(datetime.datetime.now(datetime.UTC).isoformat())
   elif done is not None and done["fingerprint"] == fp and not stage.always_run:
     logging.info(
       "[pipeline] %s: finished %s (%.0fs) with this config: skipped (--config.force=%s redoes it)",
@@ -99,6 +126,7 @@ def run_stage(stage: Stage, config: Config, workdir: str, force: bool) -> tuple[
     marker = dict(stage=stage.name, fingerprint=fp, run=run, finished=finished, seconds=seconds, config=rec)
     marker["summary"] = summary
     _marker(workdir, stage.name).write_text(json.dumps(marker, indent=1, default=str))
+    _forced(workdir, stage.name).unlink(missing_ok=True)
   logging.info("[pipeline] %s: done in %.0fs", stage.name, seconds)
   return summary, dict(seconds=seconds, skipped=False, finished=finished)
 

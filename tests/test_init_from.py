@@ -145,7 +145,7 @@ def _chat_config(hf_dir, corpus_dir, stages: str, mesh=((4, 1, 2), (8, 1))):
   # Rows divide replica·fsdp on either mesh (4 on (4, 1, 2), 4 on (2, 2, 2)).
   c.sft.update(steps=2, lr=0.0, batch_size=4, pack_len=0, demos=8, eval_problems=4, router_bias_rate=0.0)
   c.rl.update(steps=1, problems_per_step=2, group_size=2, eval_every=0, feedback_rows=4, cache_len=512)
-  c.gate.update(min_flagged=1, samples=2, rollouts_per_batch=4, max_batches=1)
+  c.gate.update(min_flagged=1, samples=2, rollouts_per_batch=4, max_batches=1, required=False)  # rl after it
   return c
 
 

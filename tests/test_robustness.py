@@ -11,6 +11,7 @@ import random
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -159,33 +160,100 @@ def test_raising_steps_trains_on_and_a_refused_change_damages_nothing(straight, 
   assert json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"] == extended
 
 
-def test_a_full_disk_stops_the_run_at_once_and_leaves_no_partial_checkpoint(straight, corpus_dir, tmp_path):
-  """The checkpoint directory on a 64 KiB tmpfs (bubblewrap mount namespace): the first save fails with
-  ENOSPC; the run stops with one line, no `*.orbax-checkpoint-tmp*` is left, and with room again the same
-  command finishes."""
+def _on_a_full_disk(
+  tmp_path, corpus_dir, kib: int, *extra: str, where: str = "checkpoints"
+) -> tuple[subprocess.CompletedProcess, str]:
+  """run.py with `<tmp_path>/w/<where>` on a `kib` KiB tmpfs (bubblewrap mount namespace): (the run,
+  `ls -AR` of the full disk when it ended). The run must end in one line naming the full disk."""
   if not sandbox.available():
     pytest.skip("bubblewrap not installed (the full disk is a size-capped tmpfs in a mount namespace)")
   small = tmp_path / "small"
   small.mkdir()
   (tmp_path / "w").mkdir()
-  os.symlink(small, tmp_path / "w" / "checkpoints")
+  os.symlink(small, tmp_path / "w" / where)
   listing = tmp_path / "left_on_the_full_disk.txt"
-  inner = " ".join(map(shlex.quote, _cmd(tmp_path / "w", corpus_dir)))
-  script = f"{inner}; rc=$?; ls -A {shlex.quote(str(small))} > {shlex.quote(str(listing))}; exit $rc"
-  wrap = ["bwrap", "--dev-bind", "/", "/", "--size", str(64 * 1024), "--tmpfs", str(small), "--", "sh", "-c"]
+  inner = " ".join(map(shlex.quote, _cmd(tmp_path / "w", corpus_dir, *extra)))
+  script = f"{inner}; rc=$?; ls -AR {shlex.quote(str(small))} > {shlex.quote(str(listing))}; exit $rc"
+  wrap = ["bwrap", "--dev-bind", "/", "/", "--size", str(kib * 1024), "--tmpfs", str(small), "--", "sh", "-c"]
   p = subprocess.run(wrap + [script], cwd=_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
   last = p.stderr.strip().splitlines()[-1]
-  assert p.returncode == 1 and "saving a checkpoint" in last and "No space left on device" in last, p.stderr[
+  assert p.returncode == 1 and last.startswith("run.py: ") and "No space left on device" in last, p.stderr[
     -3000:
   ]
   assert "Traceback" not in p.stderr
+  return p, listing.read_text()
+
+
+def test_a_full_disk_stops_the_run_at_once_and_leaves_no_partial_checkpoint(straight, corpus_dir, tmp_path):
+  """The first save fails with ENOSPC; the run stops with one line, no `*.orbax-checkpoint-tmp*` is left,
+  and with room again the same command finishes."""
+  p, listing = _on_a_full_disk(tmp_path, corpus_dir, 64)
+  assert "saving a checkpoint" in p.stderr.strip().splitlines()[-1]
   records = [json.loads(r) for r in (tmp_path / "w" / "metrics" / "metrics.jsonl").read_text().splitlines()]
   assert max(r["step"] for r in records) <= 4  # stopped at once, not after the remaining steps
-  assert "orbax-checkpoint-tmp" not in listing.read_text()  # what the full disk held when the run ended
+  assert "orbax-checkpoint-tmp" not in listing  # what the full disk held when the run ended
   os.unlink(tmp_path / "w" / "checkpoints")
   ok = _run(tmp_path / "w", corpus_dir)
   assert ok.returncode == 0, ok.stderr[-3000:]
   _assert_same_params(_params(tmp_path / "w", 8), _params(straight[0], 8))
+
+
+def test_a_full_final_save_is_one_line_and_keeps_the_last_checkpoint(corpus_dir, tmp_path):
+  """Room for one checkpoint (0.7-0.95 MB each): step 4's save completes, the final one (step 8) fails
+  while the stage closes its checkpointer, which used to end in orbax's traceback."""
+  p, listing = _on_a_full_disk(tmp_path, corpus_dir, 1500, "--config.train.checkpoint_every=4")
+  assert "saving a checkpoint" in p.stderr.strip().splitlines()[-1] and "kept: [4]" in p.stderr
+  top = listing.split("\n\n")[0].split()
+  assert "4" in top and "8" not in top and "orbax-checkpoint-tmp" not in listing
+
+
+def test_a_full_disk_while_preparing_the_data_is_one_line(corpus_dir, tmp_path):
+  """The tokenized corpus (tfds, under the workdir) does not fit: one line, not the writer's traceback."""
+  p, _ = _on_a_full_disk(tmp_path, corpus_dir, 64, where="tfds")
+  assert "what finished and the checkpoints saved before are kept" in p.stderr.strip().splitlines()[-1]
+
+
+def test_rl_alone_after_a_failed_gate_stops_in_one_line_naming_it(corpus_dir, tmp_path):
+  """`--config.stages=rl` on a workdir whose gate failed on the current SFT checkpoint (markers as the
+  stages leave them): one line naming the failed gates and the flag that goes on; nothing of rl runs."""
+  (tmp_path / "stages").mkdir()
+  sft = dict(stage="sft", run="r1", fingerprint="f", finished="then", seconds=1.0, config={}, summary={})
+  gate = dict(stage="gate", run="r2", fingerprint="g", finished="then", seconds=1.0, config={})
+  gate["config"]["upstream.sft"] = dict(fingerprint="f", run="r1")
+  gate["summary"] = dict(
+    passed=False, gates={"G1": {"pass": False, "why": "-"}, "G2": {"pass": True, "why": "-"}}
+  )
+  for name, marker in (("sft", sft), ("gate", gate)):
+    (tmp_path / "stages" / f"{name}.json").write_text(json.dumps(marker))
+  p = _run(tmp_path, corpus_dir, "--config.stages=rl")
+  last = p.stderr.strip().splitlines()[-1]
+  assert p.returncode == 1 and "stage gate FAILED (G1)" in last and "gate.required=False" in last, p.stderr
+  assert "Traceback" not in p.stderr and not (tmp_path / "rl").exists()
+
+
+def test_a_second_run_on_a_workdir_in_use_stops_at_once_naming_the_holder(corpus_dir, tmp_path):
+  """Two runs on one workdir: the second stops in one line naming the first's pid and host, and leaves
+  the first alone (it stops cleanly on SIGTERM and releases the lock)."""
+  first = subprocess.Popen(
+    _cmd(tmp_path, corpus_dir),
+    cwd=_ROOT,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  deadline = time.monotonic() + 300
+  while not (tmp_path / ".lock").exists() and first.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.2)
+  second = _run(tmp_path, corpus_dir)
+  first.send_signal(signal.SIGTERM)
+  _, err = first.communicate(timeout=600)
+  last = second.stderr.strip().splitlines()[-1]
+  assert second.returncode == 2 and f"in use by pid {first.pid} on host {socket.gethostname()}" in last, (
+    second.stderr[-2000:]
+  )
+  assert "Traceback" not in second.stderr
+  assert first.returncode in (0, 130) and "Traceback" not in err and not (tmp_path / ".lock").exists()
 
 
 def test_bad_workdir_and_config_conflicts_are_one_line(corpus_dir, tmp_path):
@@ -196,6 +264,8 @@ def test_bad_workdir_and_config_conflicts_are_one_line(corpus_dir, tmp_path):
     (["--config.train.batch_size=6"], "must be divisible by replica·fsdp = 4"),
     (["--config.data.tokenizer=bpe"], "has 4096 ids but model.vocab_size is 272"),
     (["--config.stages=pretrain,rl", "--config.rl.objective=ppo"], "rl.objective 'ppo'"),
+    (["--config.train.steps=-5"], "train.steps=-5 must be > 0"),
+    (["--config.optim.learning_rate=nan"], "optim.learning_rate=nan must be a finite number"),
   ]
   for extra, message in cases:
     workdir = [] if extra[0].startswith("--workdir") else [f"--workdir={tmp_path / 'w'}"]

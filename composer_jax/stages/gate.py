@@ -5,8 +5,9 @@
 On ≥ `gate.min_flagged` flagged turns, each resampled `gate.samples` times: the hinted teacher must make
 the turn valid more often than the student (G1), a neutral note must not (G2), a wrong hint must hurt
 (G3), the teacher must lower the mistake's token and not the valid prefix (G4), and the mistake must cost
-reward on a fair share of rollouts (G5). A failed gate does not stop the run: the summary says which
-gate failed and why, and RL then distils a teacher that was shown not to help.
+reward on a fair share of rollouts (G5). The summary says which gate failed and why; a failed gate stops the
+run before stage `rl` (`pipeline`), which would distil a teacher shown not to help, unless
+`gate.required=False` (then rl runs and its summary says the gate failed).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ STAGE = Stage(
   run=run,
   doc="does the hinted teacher beat the student on flagged turns? (G1-G5, on the SFT checkpoint, before RL)",
   depends=("seed", "model", "gate", "rl", "data.tokenizer", "init_from"),
+  ignores=("gate.required",),  # what to do after a failure, not an input of the verdict
   outputs=("gate.json",),
   upstream=lambda config: ("sft",),
   check=sft.check_chat,

@@ -29,7 +29,10 @@ def scalars(summary: dict, workdir: pathlib.Path) -> dict:
 
 def key_values(row: dict) -> list[str]:
   """One line of `key value` pairs (the default `lines`)."""
-  return ["  " + ", ".join(f"{k} {v}" for k, v in row.items() if k not in ("seconds", "skipped", "finished"))]
+  return [
+    "  "
+    + ", ".join(f"{k} {v}" for k, v in row.items() if k not in ("seconds", "skipped", "finished", "warning"))
+  ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,9 @@ class Stage:
   run: Callable[[Config, str], dict[str, Any]]  # (config, workdir) → JSON-able summary
   doc: str  # one line for listings
   depends: tuple[str, ...]  # config paths (dotted) whose values the result depends on
+  # paths under `depends` that only decide what happens after the stage (e.g. gate.required): left out of
+  # the fingerprint, so changing them neither reruns the stage nor the stages that read it
+  ignores: tuple[str, ...] = ()
   # Cheap checks of the config this stage reads, run for every selected stage before any stage starts:
   # a ConfigError (one line) instead of a failure minutes into the run.
   check: Callable[[Config], None] = lambda config: None

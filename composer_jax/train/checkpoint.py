@@ -8,9 +8,11 @@ from `ocp.utils.to_shape_dtype_struct`), so a resumed run continues on exactly t
 Safety:
 - A step that already exists is never written again.
 - Once a save is final, every process writes the size and SHA-256 of the files it owns (process k: its
-  `ocdbt.process_k`, process 0: the rest). `restore` checks them first; a checkpoint that fails the check
-  or that orbax cannot read is moved to `<dir>/corrupt/` (never deleted) and the next older one is used,
-  with one line saying so. No readable checkpoint left → `CheckpointError`, never a silent fresh start.
+  `ocdbt.process_k`, process 0: the rest). `restore` checks them first, each process its own files; a
+  checkpoint that fails the check on any process or that orbax cannot read is moved to `<dir>/corrupt/`
+  (never deleted) by all processes together (verdicts combined, process 0's newest step restored by all)
+  and the next older one is used, with one line saying so. No readable checkpoint left →
+  `CheckpointError`, never a silent fresh start.
 - A save that fails (a full disk, a permission change) raises `CheckpointSaveError` at once — also an
   async one, at the next `check()` — with its temporary directory removed.
 - An incompatible checkpoint (another model, optimizer or data config) raises, naming each field.
@@ -21,6 +23,7 @@ process sees (GCS, a shared file system).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -29,6 +32,7 @@ import shutil
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -86,10 +90,14 @@ def write_checksums(step_dir: pathlib.Path, process: int) -> None:
   tmp.rename(step_dir / f"checksums.process_{process}.json")
 
 
-def verify_checksums(step_dir: pathlib.Path) -> str | None:
-  """None if every listed file has its recorded size and hash, else what is wrong (one line). A step
-  without any checksum file (written before checksums existed) passes unverified."""
+def verify_checksums(step_dir: pathlib.Path, process: int = 0, processes: int = 1) -> str | None:
+  """None if every file listed in the manifests this process checks has its recorded size and hash, else
+  what is wrong (one line). Process i of n checks the manifests of writers k with k mod n == i (on the
+  same process count: its own files), so no host reads every host's files. A step without any checksum
+  file (written before checksums existed) passes unverified."""
   for manifest in sorted(step_dir.glob("checksums.process_*.json")):
+    if int(manifest.stem.rsplit("_", 1)[1]) % processes != process:
+      continue
     for rel, (size, digest) in json.loads(manifest.read_text()).items():
       p = step_dir / rel
       if not p.is_file():
@@ -210,7 +218,7 @@ class Checkpointer:
     if step is not None:
       return self._restore_step(template, step)
     set_aside = []
-    while (latest := self.latest_step()) is not None:
+    while (latest := _agreed_step(self.latest_step())) is not None:
       try:
         return self._restore_step(template, latest)
       except _Unreadable as e:
@@ -220,13 +228,14 @@ class Checkpointer:
     )
 
   def _restore_step(self, template: TrainState, step: int) -> tuple[TrainState, dict]:
-    problem = verify_checksums(self.directory / str(step))
+    problem = verify_checksums(self.directory / str(step), jax.process_index(), jax.process_count())
+    try:  # by every process whatever its verdict: orbax's multi-process reads synchronise the processes
+      meta = self.read_meta(step)
+    except CheckpointError:
+      problem, meta = problem or "unreadable metadata", {}
+    problem = _combined(problem)  # every process sets the step aside, or none
     if problem:
       raise _Unreadable(problem)
-    try:
-      meta = self.read_meta(step)
-    except CheckpointError as e:
-      raise _Unreadable("unreadable metadata") from e
     if meta.get("fingerprint") != self.fingerprint:
       diffs = _differences(meta.get("config", {}), self.record)
       raise CheckpointError(
@@ -250,6 +259,10 @@ class Checkpointer:
     if jax.process_index() == 0:
       dest.parent.mkdir(parents=True, exist_ok=True)
       shutil.move(str(self.directory / str(step)), str(dest))
+    if jax.process_count() > 1:  # no process lists the steps again before the move
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
     logging.warning(
       "[checkpoint] %s/%d is unusable (%s): moved to %s; trying the previous one",
       self.directory,
@@ -262,17 +275,29 @@ class Checkpointer:
     return f"{step} ({why})"
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
-    self.check()
-    self._checksum_new_steps()
+    """Waits for pending saves; one that failed (e.g. the final save on a full disk) raises
+    CheckpointSaveError, like a failure that `check` finds."""
+    try:
+      self._manager.wait_until_finished()
+      self.check()
+      self._checksum_new_steps()
+    except CheckpointSaveError:
+      raise
+    except Exception as e:
+      self._failed(e)
 
   def close(self) -> None:
-    """Waits for pending saves and closes; a failed save is reported (raised) unless the run is already
-    failing, in which case the first error stands."""
+    """Waits for pending saves and closes; a failed save is reported (raised) as CheckpointSaveError.
+    Closing the manager re-raises a failed save's error: ignored then, the first report stands."""
     try:
       self.wait()
-    finally:
+    except BaseException:
+      with contextlib.suppress(Exception):
+        self._manager.close()
+      raise
+    else:
       self._manager.close()
+    finally:
       self._remove_partial_saves()  # nothing is in flight now: a tmp directory left is a failed save's
 
 
@@ -299,6 +324,29 @@ def _root_reason(e: BaseException) -> str:
       return c.strerror
   outer = str(e).strip()
   return outer.splitlines()[-1][:200] if outer else type(e).__name__
+
+
+def _combined(problem: str | None) -> str | None:
+  """On several processes: this process's problem, or which others found one (an all-gather of the
+  verdicts, so all agree); on one, `problem` itself."""
+  if jax.process_count() == 1:
+    return problem
+  from jax.experimental import multihost_utils
+
+  bad = multihost_utils.process_allgather(np.int32(problem is not None))
+  if not bad.any():
+    return None
+  return problem or f"process(es) {', '.join(map(str, np.flatnonzero(bad)))} found it unusable"
+
+
+def _agreed_step(step: int | None) -> int | None:
+  """Process 0's newest step on every process (each lists the shared directory on its own)."""
+  if jax.process_count() == 1:
+    return step
+  from jax.experimental import multihost_utils
+
+  agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if step is None else step)))
+  return None if agreed < 0 else agreed
 
 
 class _Unreadable(Exception):

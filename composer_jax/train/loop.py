@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
 from composer_jax import console
@@ -89,15 +90,36 @@ class Diverged(RuntimeError):
 
 
 class _Stop:
-  """Set by SIGINT/SIGTERM while a loop runs; a second SIGINT raises KeyboardInterrupt."""
+  """Set by SIGINT/SIGTERM while a loop runs; a second SIGINT raises KeyboardInterrupt.
+
+  `agreed()`, called by every process before each step, says whether to stop there: on one process,
+  whether a signal came; on several, whether one came to any process, from an all-gather of the flags
+  (one tiny collective per step). All then stop before the same step and save together: one process
+  stopping alone would wait in its save for the others, which wait in the next step's collectives. The
+  decision is the gathered value only: a signal landing during the gather counts at the next step, on
+  every process at once. `requested`: this process stops (its own signal, or another's agreed).
+  """
 
   def __init__(self, name: str):
-    self.requested, self._name = False, name
+    self.requested, self._signalled, self._name = False, False, name
+
+  def agreed(self) -> bool:
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.int32(self._signalled))
+    if flags.any() and not self.requested:
+      logging.warning(
+        "[%s] a signal to process(es) %s: stopping with them", self._name, np.flatnonzero(flags)
+      )
+    self.requested = self.requested or bool(flags.any())
+    return bool(flags.any())
 
   def __call__(self, signum: int, frame: Any) -> None:
-    if self.requested and signum == signal.SIGINT:
+    if self._signalled and signum == signal.SIGINT:
       raise KeyboardInterrupt
-    self.requested = True
+    self._signalled = self.requested = True
     logging.warning(
       "[%s] %s: stopping after the step in flight and saving (Ctrl-C again aborts without saving)",
       self._name,
@@ -199,7 +221,7 @@ def fit(
     if start == 0 and schedule.eval_at_start:
       run.evaluate(0, state)
     for s in range(start + 1, schedule.steps + 1):
-      if stop.requested:
+      if stop.agreed():  # every process, at every step: all stop before the same one
         break
       try:
         batch, host = hooks.next_batch(s, state)

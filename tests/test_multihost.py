@@ -1,0 +1,125 @@
+"""Many hosts on one machine (tests/multihost.py: N processes × M CPU devices through jax.distributed):
+collectives work, the demo stage runs multi-process with the single-process result, and a SIGTERM to one
+process stops every process at the same step with one save."""
+
+import json
+import pathlib
+import re
+import signal
+import sys
+import time
+
+import multihost
+import pytest
+
+from composer_jax import pipeline
+
+_EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
+
+
+def test_a_psum_across_2_processes_of_2_devices():
+  outs = multihost.run_function("multihost:psum_probe", n_processes=2, devices=2, timeout=240)
+  assert [o["process"] for o in outs] == [0, 1]
+  assert all(o["processes"] == 2 and o["devices"] == 4 and o["sum"] == 1 + 2 + 3 + 4 for o in outs), outs
+
+
+def _tiny(stages: str):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("composer25", _EXPERIMENT)
+  exp = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(exp)
+  c = exp.get_config("tiny")
+  c.stages = stages
+  return c
+
+
+@pytest.mark.slow
+def test_the_demo_stage_on_2_processes_of_4_devices_decodes_like_one_process(tmp_path):
+  """The tiny variant's demo: decoded tokens sharded over both processes are fetched through
+  multihost_utils (np.asarray on them raised), and equal those of the same demo on one process."""
+  argv = ["run.py", f"--config={_EXPERIMENT}", "--config.stages=demo", f"--workdir={tmp_path / 'two'}"]
+  done = multihost.wait_all(multihost.launch(argv, 2), timeout=500)
+  for i, p in enumerate(done):
+    assert p.returncode == 0 and "Traceback" not in p.stderr, (i, p.stderr[-3000:])
+  two = json.loads((tmp_path / "two" / "demo.json").read_text())
+  one = pipeline.run(_tiny("demo"), str(tmp_path / "one"))["demo"]
+  assert two["decoded"] == one["decoded"] and two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+def _wait_for(path: pathlib.Path, pattern: str, timeout: float) -> None:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if path.exists() and re.search(pattern, path.read_text()):
+      return
+    time.sleep(0.2)
+  raise TimeoutError(f"{pattern!r} not in {path} after {timeout}s:\n{path.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_all_at_the_same_step_with_one_save(tmp_path):
+  """Process 1 of 2 gets SIGTERM mid-run: both stop before the same step, save it once together (each
+  process's checksums in the one step directory) and end in the resume line; before, process 1 stopped
+  and waited in its save while process 0 waited in the next step's collectives (a hang)."""
+  import tiny
+
+  (tmp_path / "src").mkdir()
+  corpus = tiny.write_corpus(tmp_path / "src")
+  (tmp_path / "logs").mkdir()
+  argv = ["run.py", "--config=tests/small_experiment.py", f"--workdir={tmp_path / 'w'}"]
+  argv += [f"--config.data.src_dir={corpus}", "--config.train.steps=200", "--config.train.checkpoint_every=0"]
+  procs = multihost.launch(argv, 2, logs=tmp_path / "logs")
+  try:
+    _wait_for(tmp_path / "logs" / "process_0.log", r"\[pretrain\] step 2/200", timeout=400)
+    procs[1].send_signal(signal.SIGTERM)
+    for p in procs:
+      p.wait(timeout=240)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  logs = [(tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2)]
+  stopped = []
+  for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
+    last = log.strip().splitlines()[-1]
+    assert p.returncode == 130 and "Traceback" not in log, (i, log[-3000:])
+    stopped.append(int(re.search(r"pretrain stopped at step (\d+)", last).group(1)))
+  assert stopped[0] == stopped[1] and 2 <= stopped[0] < 200, stopped
+  steps = sorted(d.name for d in (tmp_path / "w" / "checkpoints").iterdir())
+  assert steps == [str(stopped[0])], steps  # one save, at the agreed step
+  step_dir = tmp_path / "w" / "checkpoints" / steps[0]
+  assert {p.name for p in step_dir.glob("checksums.process_*.json")} == {
+    "checksums.process_0.json",
+    "checksums.process_1.json",
+  }
+
+
+def test_a_shard_corrupted_on_one_process_sets_the_step_aside_on_all(tmp_path):
+  """Process 1's file of step 2 is damaged: each process hashes only its own files (none reads the
+  other's), the verdicts are combined, and both set step 2 aside and restore step 1."""
+  outs = multihost.run_function(
+    "multihost_probes:checkpoint_verdicts", 2, 2, args=(str(tmp_path / "ckpt"), 1), timeout=300
+  )
+  for k, out in enumerate(outs):
+    assert out["step"] == 1 and out["total"] == 1024.0 and out["set_aside"] == ["2"], (k, out)
+    others = [h for h in out["hashed"] if "ocdbt.process_" in h and f"ocdbt.process_{k}" not in h]
+    assert out["hashed"] and not others, (k, out["hashed"])
+
+
+def test_a_busy_workdir_stops_every_process(tmp_path):
+  """Process 0 cannot take the lock (this live test process holds it): all processes stop, none goes on."""
+  import os
+  import socket
+
+  from composer_jax import lock
+
+  holder = dict(pid=os.getpid(), host=socket.gethostname(), since=0)
+  (tmp_path / lock.NAME).write_text(json.dumps(holder))
+  outs = multihost.run_function("multihost_probes:workdir_lock", 2, 1, args=(str(tmp_path),), timeout=240)
+  assert f"in use by pid {os.getpid()}" in outs[0] and "process 0 could not take" in outs[1], outs
+  free = multihost.run_function("multihost_probes:workdir_lock", 2, 1, args=(str(tmp_path / "free"),))
+  assert free == ["held", "held"] and not (tmp_path / "free" / lock.NAME).exists()
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q"]))
