@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
-from composer_jax.synth import sandbox
+from composer_jax.synth import pipe, sandbox
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 PYTEST_ARGS = ("-p", "no:cacheprovider", "--tb=short", "--color=no", "-q")  # the coverage run's
@@ -81,17 +81,9 @@ def venv_plugins(venv: str) -> tuple[str, ...]:
   return tuple(sorted(set(found)))
 
 
-def parse_channel(data: bytes, limit: int = 1_000_000) -> list[dict]:
-  """The runner's JSON lines (anything else, e.g. bytes written by the code under test, is dropped)."""
-  out = []
-  for line in data.split(b"\n")[:limit]:
-    try:
-      rec = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(rec, dict) and isinstance(rec.get("t"), str):
-      out.append(rec)
-  return out
+def parse_channel(data: bytes) -> list[dict]:
+  """The runner's valid records (pipe.py); anything else, e.g. bytes the code under test wrote, dropped."""
+  return pipe.parse(data).records
 
 
 def outcomes(records: Sequence[dict]) -> dict[str, str]:
@@ -115,8 +107,9 @@ def run_runner(
   venv: str | os.PathLike,
   task_dir: str | os.PathLike,
   spec: dict,
+  records: bool = True,
   **overrides,
-) -> tuple[sandbox.SandboxResult, list[dict]]:
+) -> tuple[sandbox.SandboxResult, list[dict] | None]:
   """One run of `runner.py` with `spec` (roots and plugins filled in); (result, channel records)."""
   spec = {"roots": [f"{box.workdir}/src", box.workdir], "plugins": list(venv_plugins(str(venv))), **spec}
   with tempfile.TemporaryDirectory(prefix="runner-") as ctl:
@@ -125,7 +118,7 @@ def run_runner(
     os.chmod(pathlib.Path(ctl, "spec.json"), 0o644)
     binds = {str(RUNNER): f"{GRADER_DIR}/runner.py", ctl: f"{GRADER_DIR}/ctl"}
     result = box.run(runner_cmd(venv), task_dir, binds=binds, channel=True, **overrides)
-  return result, parse_channel(result.channel)
+  return result, parse_channel(result.channel) if records else None
 
 
 def run_suite(

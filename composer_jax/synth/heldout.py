@@ -15,6 +15,7 @@ different answer for its input is what forged results, permissive objects and an
 test's frame or file look like.
 """
 
+import collections
 import dataclasses
 import json
 
@@ -125,13 +126,26 @@ def mismatches(checks: Checks, records: list[dict]) -> list[int]:
   return bad
 
 
+def _extra(records: list[dict], n: int) -> str:
+  """Why the driver's outputs are not one per call ("" when they are): a driver asked once per call answers
+  once; a second answer, or one for a call it was never given, is written by something else."""
+  counts = collections.Counter(r["i"] for r in records if r.get("t") == "out")
+  if any(i >= n for i in counts):
+    return "an output for a call the grader never made"
+  if any(c > 1 for c in counts.values()):
+    return "a call answered more than once"
+  return ""
+
+
 def flags(checks: Checks, records: list[dict], passed: set[str]) -> list[str]:
-  """A flag when some mismatching call came from a test that was reported passed."""
+  """A flag when some mismatching call came from a test that was reported passed, or when the driver's
+  outputs are not one per call."""
+  out = [f"heldout: {why}"] if (why := _extra(records, len(checks.calls))) else []
   bad = [i for i in mismatches(checks, records) if set(checks.tests[i]) & passed]
   if not bad:
-    return []
+    return out
   test = sorted(set(checks.tests[bad[0]]) & passed)[0]
-  return [
+  return out + [
     f"heldout: {len(bad)} of {len(checks.calls)} held-out calls of {checks.qualname} answer otherwise than "
     f"the original, though the tests that made them passed (e.g. {test})"
   ]

@@ -33,15 +33,23 @@ class Prepared:
   valid: dict  # unit key -> frozenset of parametrisation keys whose canary fails on the original
   checks: heldout.Checks | None
   notes: tuple
+  # The grader's own identities of the twin cases (issue 30): (unit key, kind) -> {"[params]": parametrisation
+  # key} as the original run collected them, and (hidden file, "::rest" of an id) of tests a generated
+  # module collects besides its twins (e.g. inherited from an imported mixin): expected, never counted.
+  cases: dict = dataclasses.field(default_factory=dict)
+  extras: frozenset = frozenset()
 
 
-def run_tree(box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dict):
-  """One runner process over a fresh grader-written tree, copied into the sandbox's tmpfs."""
+def run_tree(box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dict, records: bool = True):
+  """One runner process over a fresh grader-written tree, copied into the sandbox's tmpfs; (result, its
+  records, or None with `records=False`: the caller validates the pipe itself)."""
   with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
     root = pathlib.Path(tmp, "tree")
     snapshot.write_tree(root, files)
     size = sum(len(v) for v in files.values())
-    return baseline.run_runner(box, venv, root, spec, copy_in=True, task_bytes=max(256 << 20, 4 * size))
+    return baseline.run_runner(
+      box, venv, root, spec, copy_in=True, task_bytes=max(256 << 20, 4 * size), records=records
+    )
 
 
 def target(task: records.Task, base: runtree.Base) -> tuple[str, str] | None:
@@ -75,7 +83,8 @@ def twin_files(files: dict[str, bytes], twins: list, texts: dict[str, str], rng:
 
 
 def twin_results(recs: list[dict], names: dict) -> dict:
-  """{(unit key, kind): {parametrisation key: (outcome, "[params]")}} of one run."""
+  """{(unit key, kind): {parametrisation key: (outcome, "[params]")}} of one run on the original code (its
+  reported indices are trusted here only: the code is the original)."""
   outcomes = baseline.outcomes(recs)
   out = collections.defaultdict(dict)
   for r in recs:
@@ -86,6 +95,20 @@ def twin_results(recs: list[dict], names: dict) -> dict:
     if twin is not None:
       out[(twin.unit.key, twin.kind)][idx_key(r.get("idx"))] = (outcomes.get(r["id"], "missing"), params)
   return out
+
+
+def extra_ids(recs: list[dict], names: dict) -> frozenset:
+  """(hidden file, "::rest") of the items of generated modules that are not twins."""
+  out = set()
+  for r in recs:
+    if r.get("t") != "item":
+      continue
+    gen, _, rest = r["id"].partition("::")
+    mapping = names.get(gen)
+    file, cls, func, _ = canary.split_id(r["id"])
+    if mapping and (cls, func) not in mapping:
+      out.add((next(iter(mapping.values())).unit.file, "::" + rest))
+  return frozenset(out)
 
 
 def prepared(task: records.Task, box: sandbox.Sandbox) -> Prepared:
@@ -132,11 +155,18 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
     failing = frozenset(k for k, (o, _) in results.get((u.key, "canary"), {}).items() if o != baseline.PASSED)
     if failing:
       valid[u.key], canaries[u.key] = failing, made[u.key]
+  cases = {
+    (u.key, kind): {params: idx for idx, (_, params) in results.get((u.key, kind), {}).items()}
+    for u in kept
+    for kind in ("real", "canary")
+    if kind == "real" or u.key in canaries
+  }
   checks = _checks(task, box, base, tgt, recs)
   notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are"
            f"{trouble}",
            f"{len(checks.calls) if checks else 0} held-out calls")  # fmt: skip
-  return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes)
+  extras = extra_ids(recs, names)
+  return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes, cases, extras)
 
 
 def _or_none(fn, *args):

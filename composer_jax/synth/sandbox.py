@@ -61,6 +61,7 @@ class SandboxResult:
   cpu_s: float = 0.0  # CPU seconds of the whole tree (cgroup counter, else wait4 of the reaped tree)
   limit: str = ""  # "" | "time" | "cpu" | "memory" | "pids": the tree limit that ended or marked the run
   channel: bytes = b""  # what the command wrote to the result channel (channel=True)
+  channel_truncated: bool = False  # the channel passed max_channel_bytes (the rest was dropped)
 
 
 def available() -> bool:
@@ -328,8 +329,11 @@ def _result(proc, group, tree, state, rusage, drains, wall_s: float, cpu_s: int)
   stdout, t1 = drains[0].text()
   stderr, t2 = drains[1].text()
   channel = drains[2].data() if len(drains) > 2 else b""
+  cut = len(drains) > 2 and drains[2].total > drains[2].kept
   timed_out = state.killed_for == "time"
-  return SandboxResult(proc.returncode, stdout, stderr, timed_out, wall_s, t1 or t2, tree_cpu, limit, channel)
+  return SandboxResult(
+    proc.returncode, stdout, stderr, timed_out, wall_s, t1 or t2, tree_cpu, limit, channel, cut
+  )
 
 
 def _wait(proc: subprocess.Popen, group, lim: _Limits):

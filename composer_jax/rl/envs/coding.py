@@ -27,7 +27,8 @@ import time
 
 from composer_jax.rl import chat
 from composer_jax.rl.envs import Step
-from composer_jax.synth import baseline, monitor, tasks
+from composer_jax.synth import baseline, monitor, sandbox, tasks
+from composer_jax.synth.grading import internal_error
 
 TOOLS = ("list_files", "read_file", "write_file", "run_tests", "submit")
 _WRITE = (
@@ -97,6 +98,15 @@ class CodingEnv:
     return truncate(out.strip(), self.cfg.max_output_chars)
 
   def step(self, call: chat.ToolCall | chat.ParseError) -> Step:
+    """One tool call; an error in running it (but a missing sandbox) is the tool's output, never raised."""
+    try:
+      return self._step(call)
+    except sandbox.SandboxUnavailable:
+      raise
+    except Exception as err:  # noqa: BLE001 (whatever the agent's arguments or files do: an error message)
+      return Step(f"Error: the tool failed ({type(err).__name__}).", False, ok=False)
+
+  def _step(self, call: chat.ToolCall | chat.ParseError) -> Step:
     if time.monotonic() - self.started > self.cfg.wall_clock_s:
       self.timed_out = True
       return Step("Error: episode time limit reached.", True, truncated=True)
@@ -136,7 +146,13 @@ class CodingEnv:
     return Step(self._run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *a], copy_in=True), False)
 
   def reward(self) -> float:
+    """The grade's reward; an error in grading is reward 0 with a named flag in `self.grade`, never raised."""
     if self._reward is None:
-      self.grade = tasks.grade(self.task, self.work, actions=self.actions, timeout_s=self.cfg.grade_timeout_s)
-      self._reward = float(self.grade.reward)
+      try:
+        g = tasks.grade(self.task, self.work, actions=self.actions, timeout_s=self.cfg.grade_timeout_s)
+      except sandbox.SandboxUnavailable:
+        raise
+      except Exception as err:  # noqa: BLE001
+        g = tasks.Grade(0.0, (), (*self.task.fail_to_pass, *self.task.pass_to_pass), (internal_error(err),))
+      self.grade, self._reward = g, float(g.reward)
     return self._reward
