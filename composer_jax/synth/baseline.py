@@ -62,8 +62,9 @@ def copy_tree(src: str | os.PathLike, dest: str | os.PathLike) -> pathlib.Path:
 
 
 def runner_cmd(venv: str | os.PathLike) -> list[str]:
-  """The grader's runner under the venv's interpreter, isolated (`-I`) and without bytecode (`-B`)."""
-  return [python(venv), "-I", "-B", f"{GRADER_DIR}/runner.py", f"{GRADER_DIR}/ctl/spec.json"]
+  """The grader's runner under the venv's interpreter, isolated (`-I`) and without bytecode (`-B`); its
+  spec comes through an fd it closes before any code under test runs (no file says which run it is)."""
+  return [python(venv), "-I", "-B", f"{GRADER_DIR}/runner.py"]
 
 
 @functools.cache
@@ -112,12 +113,9 @@ def run_runner(
 ) -> tuple[sandbox.SandboxResult, list[dict] | None]:
   """One run of `runner.py` with `spec` (roots and plugins filled in); (result, channel records)."""
   spec = {"roots": [f"{box.workdir}/src", box.workdir], "plugins": list(venv_plugins(str(venv))), **spec}
-  with tempfile.TemporaryDirectory(prefix="runner-") as ctl:
-    os.chmod(ctl, 0o755)
-    pathlib.Path(ctl, "spec.json").write_text(json.dumps(spec))
-    os.chmod(pathlib.Path(ctl, "spec.json"), 0o644)
-    binds = {str(RUNNER): f"{GRADER_DIR}/runner.py", ctl: f"{GRADER_DIR}/ctl"}
-    result = box.run(runner_cmd(venv), task_dir, binds=binds, channel=True, **overrides)
+  binds = {str(RUNNER): f"{GRADER_DIR}/runner.py"}
+  inputs = json.dumps(spec).encode()
+  result = box.run(runner_cmd(venv), task_dir, binds=binds, channel=True, inputs=inputs, **overrides)
   return result, parse_channel(result.channel) if records else None
 
 

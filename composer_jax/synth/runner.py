@@ -1,9 +1,12 @@
 """The grader's own entry point inside the sandbox: pytest with a fixed start-up, or the held-out driver.
 
-Runs as `python -I -B /.grader/runner.py /.grader/ctl/spec.json` (standalone: it imports nothing of
-composer_jax, which is not in the sandbox). Why this start-up: `-I` keeps the working directory and
-`PYTHON*` variables out of `sys.path`, so a module in the task dir cannot shadow the standard library or
-site-packages; the task's import roots are *appended* after them. Plugin autoload is off and the venv's
+Runs as `python -I -B /.grader/runner.py` (standalone: it imports nothing of composer_jax, which is not in
+the sandbox). Its spec arrives on the fd in `$COMPOSER_INPUT_FD` (a memfd), read and closed before any
+code under test runs: no file in the sandbox tells a run which run of the grade it is.
+
+Why this start-up: `-I` keeps the working directory and `PYTHON*` variables out of `sys.path`, so a module
+in the task dir cannot shadow the standard library or site-packages; the task's import roots are *appended*
+after them. Plugin autoload is off and the venv's
 own pytest plugins are passed explicitly (`-p`), so a `.dist-info` entry point or `.pth` planted in the
 task tree loads nothing; the cache provider is off.
 
@@ -215,9 +218,14 @@ def _calls(spec: dict, chan: Channel) -> int:
   return 0
 
 
+def read_spec() -> dict:
+  fd = int(os.environ.pop("COMPOSER_INPUT_FD"))
+  with os.fdopen(fd, "rb") as f:
+    return json.loads(f.read())
+
+
 def main(argv: list[str]) -> None:
-  with open(argv[1]) as f:
-    spec = json.load(f)
+  spec = read_spec()
   sys.path += [r for r in spec.get("roots", ()) if r not in sys.path]
   chan, rc = Channel(), 3
   try:

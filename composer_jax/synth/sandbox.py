@@ -36,6 +36,8 @@ from composer_jax.synth.bwrap import SRC_DIR, bwrap_args, default_env, venv_path
 WORKDIR = "/task"
 MAX_OUTPUT_BYTES = 1 << 20
 CHANNEL_ENV = "COMPOSER_CHANNEL_FD"
+INPUT_ENV = "COMPOSER_INPUT_FD"  # an fd holding `inputs` (a memfd: no file in the sandbox to read later)
+MAX_OPEN_FILES = 512  # per process: enough for pytest, not for a host-wide open-file counter signal
 INSTALL_HINT = (
   "bubblewrap (`bwrap`) is required to run untrusted code and was not found on PATH. Install it: "
   "`sudo apt-get install -y bubblewrap` (Debian/Ubuntu; `bash .ci/setup` does this as root), "
@@ -79,6 +81,7 @@ def limits_statement() -> str:
 def _rlimit_args(cpu_s: int, memory_bytes: int, file_bytes: int, max_procs: int) -> list[str]:
   return [f"--cpu={cpu_s}:{cpu_s + 1}", f"--as={memory_bytes}", f"--fsize={file_bytes}"] + [
     f"--nproc={max_procs}",
+    f"--nofile={MAX_OPEN_FILES}:{MAX_OPEN_FILES}",
     "--core=0",
   ]
 
@@ -180,14 +183,17 @@ def run(
   channel: bool = False,
   max_channel_bytes: int = 64 << 20,
   tree_limits: bool = True,
+  inputs: bytes | None = None,
 ) -> SandboxResult:
   """Run `cmd` in the sandbox with `task_dir` at `workdir` (read-write, or copied into a tmpfs).
 
   `readonly_paths` are bound at their own paths (pass `venv_paths(venv)` so `python -m pytest` works).
   `cpu_s` (CPU seconds for the whole tree; per process without a cgroup) defaults to the wall-clock
   budget. `memory_bytes` caps each process's address space and, with a cgroup, the tree's memory.
-  `tree_limits=False` skips the whole-tree meter (cgroup or /proc polling; a v1 cgroup costs tens of ms
-  per run in migrations): for fixed commands on the agent's files (`cat`, `find`), never for its code.
+  `inputs` reach the command as a memfd named by `$COMPOSER_INPUT_FD` (read it, then close it: no path
+  in the sandbox holds them). `tree_limits=False` skips the whole-tree meter (cgroup or /proc polling;
+  a v1 cgroup costs tens of ms per run in migrations): for fixed commands on the agent's files (`cat`,
+  `find`), never for its code.
   Raises `SandboxUnavailable` when bwrap is missing.
   """
   bwrap_bin, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
@@ -210,7 +216,7 @@ def run(
     timeout_s, cpu_s, memory_bytes, file_bytes, max_procs, max_output_bytes, max_channel_bytes, tree_limits
   )
   try:
-    return _execute(cmd, spec, limits, prlimit, bwrap_bin, channel)
+    return _execute(cmd, spec, limits, prlimit, bwrap_bin, channel, inputs)
   finally:
     if owner is not None:
       _chown_tree(task_dir, owner.st_uid, owner.st_gid)
@@ -266,10 +272,17 @@ def _close(*fds) -> None:
       os.close(fd)
 
 
-def _execute(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, channel: bool) -> SandboxResult:
+def _execute(
+  cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, channel: bool, inputs
+) -> SandboxResult:
   """Pipes and seccomp fd, the cgroup gate, Popen, drains, wait; every fd is closed exactly once."""
-  seccomp_r = chan_r = chan_w = None
+  seccomp_r = chan_r = chan_w = input_fd = None
   env = dict(spec.env)
+  if inputs is not None:
+    input_fd = os.memfd_create("inputs", 0)
+    os.write(input_fd, inputs)
+    os.lseek(input_fd, 0, os.SEEK_SET)
+    env[INPUT_ENV] = str(input_fd)
   if seccomp.supported():
     seccomp_r, w = os.pipe()
     os.write(w, seccomp.program())
@@ -293,7 +306,7 @@ def _execute(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, chann
       stderr=subprocess.PIPE,
       env={},
       start_new_session=True,
-      pass_fds=tuple(fd for fd in (seccomp_r, chan_w) if fd is not None),
+      pass_fds=tuple(fd for fd in (seccomp_r, chan_w, input_fd) if fd is not None),
     )
   except BaseException:
     _close(chan_r)
@@ -301,7 +314,7 @@ def _execute(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, chann
       group.close()
     raise
   finally:
-    _close(seccomp_r, chan_w)
+    _close(seccomp_r, chan_w, input_fd)
   drains = [_Drain(proc.stdout, lim.max_output_bytes), _Drain(proc.stderr, lim.max_output_bytes)]
   if chan_r is not None:
     drains.append(_Drain(os.fdopen(chan_r, "rb", buffering=0), lim.max_channel_bytes))
