@@ -7,6 +7,7 @@ graded code writes reaches the host, and a disk-filling write stops at the cap).
 (`binds`: host path -> path inside) carry grader-owned files such as the test runner.
 """
 
+import atexit
 import functools
 import os
 import pathlib
@@ -60,6 +61,7 @@ def _empty_file() -> str:
   fd, path = tempfile.mkstemp(prefix="composer-sandbox-empty-")
   os.close(fd)
   os.chmod(path, 0o444)
+  atexit.register(os.unlink, path)
   return path
 
 
