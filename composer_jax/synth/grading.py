@@ -107,6 +107,7 @@ def jobs(task: records.Task, prep: prepare.Prepared, run_files: dict, rng: rando
   if prep.checks is not None:
     c = prep.checks
     spec = {"mode": "call", "module": c.module, "qualname": c.qualname, "calls": list(c.calls), "repeat": 1}
+    spec |= {"packages": list(prep.base.packages), "self_state": c.self_state}
     out.append(Job("heldout", runtree.library_only(run_files), spec, {}))
   return out
 
@@ -258,5 +259,7 @@ def _check_flags(task: records.Task, prep: prepare.Prepared, v: _Verdict) -> lis
     )
   if prep.checks is not None:
     passed = {t for t in task.fail_to_pass if v.outcomes.get(t) == baseline.PASSED}
-    flags += heldout.flags(prep.checks, v.heldout_recs, passed)
+    flags += heldout.flags(
+      prep.checks, v.heldout_recs, passed, all_passed=len(passed) == len(task.fail_to_pass)
+    )
   return flags

@@ -138,7 +138,7 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
     files, names = twin_files(base.pristine, twins, task.test_files, rng)
   except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError) as err:  # ast cannot redo it
     files, names, trouble = dict(base.pristine), {}, f"; twins not generated ({type(err).__name__}: {err})"
-  spec = {"mode": "pytest", "args": [*task.fail_to_pass, *sorted(names)]}
+  spec = {"mode": "pytest", "args": [*task.fail_to_pass, *sorted(names)], "packages": list(base.packages)}
   tgt = target(task, base)
   if tgt is not None:
     spec["record"] = {"module": tgt[0], "qualname": tgt[1], "tests": list(task.fail_to_pass)}
@@ -178,12 +178,29 @@ def _or_none(fn, *args):
 
 
 def _checks(task, box, base, tgt, recs) -> heldout.Checks | None:
+  """Recorded calls (the tests' own inputs) and generated variants of them, kept where the original's
+  output is plain (or an exception) and the same twice."""
   if tgt is None:
     return None
   calls, tests = heldout.select_calls(recs, task.fail_to_pass)
   if not calls:
     return None
-  spec = {"mode": "call", "module": tgt[0], "qualname": tgt[1], "calls": list(calls), "repeat": 2}
+  rng = random.Random(int(hashlib.sha256(task.instance_id.encode()).hexdigest()[16:32], 16))
+  gen_calls, gen_tests = heldout.variants(calls, tests, rng)
+  is_method = "." in tgt[1] and all(_is_obj(c["pos"][0]) for c in calls if c["pos"])
+  spec = {"mode": "call", "module": tgt[0], "qualname": tgt[1], "calls": [*calls, *gen_calls], "repeat": 2}
+  spec |= {"packages": list(base.packages), "self_state": is_method}
   _, out = run_tree(box, task.venv, runtree.library_only(base.pristine), spec)
-  calls, tests, expected = heldout.expected_from(out, calls, tests, repeat=2)
-  return heldout.Checks(tgt[0], tgt[1], calls, tests, expected) if calls else None
+  generated = (False,) * len(calls) + (True,) * len(gen_calls)
+  keep = heldout.expected_from(
+    out, (*calls, *gen_calls), tuple(zip((*tests, *gen_tests), generated, strict=True)), 2
+  )
+  calls, pairs, expected = keep
+  if not calls:
+    return None
+  tests, generated = tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
+  return heldout.Checks(tgt[0], tgt[1], calls, tests, expected, generated, is_method)
+
+
+def _is_obj(v) -> bool:
+  return isinstance(v, list) and len(v) == 4 and v[0] == "obj"
