@@ -164,7 +164,8 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
   checks = _checks(task, box, base, tgt, recs)
   notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are"
            f"{trouble}",
-           f"{len(checks.calls) if checks else 0} held-out calls")  # fmt: skip
+           f"{len(checks.calls) if checks else 0} held-out calls "
+           f"({sum(checks.generated) if checks else 0} on generated inputs)")  # fmt: skip
   extras = extra_ids(recs, names)
   return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes, cases, extras)
 
