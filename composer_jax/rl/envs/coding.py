@@ -98,15 +98,6 @@ class CodingEnv:
     return truncate(out.strip(), self.cfg.max_output_chars)
 
   def step(self, call: chat.ToolCall | chat.ParseError) -> Step:
-    """One tool call; an error in running it (but a missing sandbox) is the tool's output, never raised."""
-    try:
-      return self._step(call)
-    except sandbox.SandboxUnavailable:
-      raise
-    except Exception as err:  # noqa: BLE001 (whatever the agent's arguments or files do: an error message)
-      return Step(f"Error: the tool failed ({type(err).__name__}).", False, ok=False)
-
-  def _step(self, call: chat.ToolCall | chat.ParseError) -> Step:
     if time.monotonic() - self.started > self.cfg.wall_clock_s:
       self.timed_out = True
       return Step("Error: episode time limit reached.", True, truncated=True)
