@@ -60,7 +60,7 @@ class Job:
   # node id -> (unit key, kind, parametrisation key, "[params]") of a twin case, None for a suite test: the
   # only ids this run may report, and what each stands for, by the grader's own prepared data.
   expected: dict = dataclasses.field(default_factory=dict)
-  extras: frozenset = frozenset()  # ids of the run collected besides the expected ones, never counted
+  extras: frozenset = frozenset()  # prepare.extra_key of tests collected besides the expected ones
 
 
 def _batches(units: list, canaries: dict, rng: random.Random) -> list[list[canary.Twin]]:
@@ -78,17 +78,15 @@ def _batches(units: list, canaries: dict, rng: random.Random) -> list[list[canar
   return out
 
 
-def _twin_ids(names: dict, prep: prepare.Prepared) -> tuple[dict, frozenset]:
-  """The node ids a twin run must report (from the cases the original run collected) and its extras."""
-  expected, extras = {}, set()
+def _twin_ids(names: dict, prep: prepare.Prepared) -> dict:
+  """The node ids a twin run must report, from the cases the original run collected."""
+  expected = {}
   for gen, mapping in names.items():
     for (cls, func), twin in mapping.items():
       head = f"{gen}::{cls}::{func}" if cls else f"{gen}::{func}"
       for params, idx in prep.cases.get((twin.unit.key, twin.kind), {}).items():
         expected[head + params] = (twin.unit.key, twin.kind, idx, params)
-    file = next(iter(mapping.values())).unit.file
-    extras |= {gen + rest for f, rest in prep.extras if f == file}
-  return expected, frozenset(extras)
+  return expected
 
 
 def jobs(task: records.Task, prep: prepare.Prepared, run_files: dict, rng: random.Random) -> list[Job]:
@@ -102,8 +100,8 @@ def jobs(task: records.Task, prep: prepare.Prepared, run_files: dict, rng: rando
   defs = [(u, canary.def_of(u, task.test_files[u.file])) for u in prep.units]
   for k, twins in enumerate(_batches(defs, prep.canaries, rng)):
     files, names = prepare.twin_files(without_hidden, twins, task.test_files, rng)
-    expected, extras = _twin_ids(names, prep)
-    out.append(Job(f"twins-{k}", files, {"mode": "pytest", "args": sorted(names)}, names, expected, extras))
+    spec = {"mode": "pytest", "args": sorted(names)}
+    out.append(Job(f"twins-{k}", files, spec, names, _twin_ids(names, prep), prep.extras))
   if prep.checks is not None:
     c = prep.checks
     spec = {"mode": "call", "module": c.module, "qualname": c.qualname, "calls": list(c.calls), "repeat": 1}
@@ -150,7 +148,8 @@ def _collect(job: Job, r: sandbox.SandboxResult, recs: list[dict], v: _Verdict) 
     v.heldout_recs = recs
     return
   got = baseline.outcomes(recs)
-  stray = sorted({x["id"] for x in recs if x["t"] in ("item", "rep")} - set(job.expected) - job.extras)
+  ids = {x["id"] for x in recs if x["t"] in ("item", "rep")} - set(job.expected)
+  stray = sorted(i for i in ids if prepare.extra_key(i, job.names) not in job.extras)
   if stray:
     v.flags.append(
       f"grader: the {job.role} run reported {len(stray)} test ids the grader did not ask for "

@@ -34,8 +34,8 @@ class Prepared:
   checks: heldout.Checks | None
   notes: tuple
   # The grader's own identities of the twin cases (issue 30): (unit key, kind) -> {"[params]": parametrisation
-  # key} as the original run collected them, and (hidden file, "::rest" of an id) of tests a generated
-  # module collects besides its twins (e.g. inherited from an imported mixin): expected, never counted.
+  # key} as the original run collected them, and the `extra_key`s of tests a generated module collects
+  # besides its twins (e.g. inherited from an imported mixin): expected, never counted.
   cases: dict = dataclasses.field(default_factory=dict)
   extras: frozenset = frozenset()
 
@@ -97,18 +97,24 @@ def twin_results(recs: list[dict], names: dict) -> dict:
   return out
 
 
+def extra_key(nodeid: str, names: dict) -> tuple | None:
+  """(hidden file, original class, function + params) of a test a generated module collects besides its
+  twins (e.g. inherited from an imported mixin, also by a twin's renamed class), None for anything else."""
+  gen = nodeid.partition("::")[0]
+  mapping = names.get(gen)
+  if not mapping:
+    return None
+  _, cls, func, params = canary.split_id(nodeid)
+  if (cls, func) in mapping:
+    return None
+  renamed = {c: t.unit.cls for (c, _), t in mapping.items() if c}
+  return (next(iter(mapping.values())).unit.file, renamed.get(cls, cls), func + params)
+
+
 def extra_ids(recs: list[dict], names: dict) -> frozenset:
-  """(hidden file, "::rest") of the items of generated modules that are not twins."""
-  out = set()
-  for r in recs:
-    if r.get("t") != "item":
-      continue
-    gen, _, rest = r["id"].partition("::")
-    mapping = names.get(gen)
-    file, cls, func, _ = canary.split_id(r["id"])
-    if mapping and (cls, func) not in mapping:
-      out.add((next(iter(mapping.values())).unit.file, "::" + rest))
-  return frozenset(out)
+  """`extra_key`s of the items of one run on the original code."""
+  keys = (extra_key(r["id"], names) for r in recs if r.get("t") == "item")
+  return frozenset(k for k in keys if k is not None)
 
 
 def prepared(task: records.Task, box: sandbox.Sandbox) -> Prepared:
