@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from test_synth_redteam import TARGET, fixture_tasks
+from test_synth_redteam import INIT, TARGET, fixture_tasks
 
 from composer_jax.synth import baseline, cgroups, grading, prepare, sandbox, tasks
 
@@ -121,20 +121,38 @@ def test_runner_spec_leaves_no_file(tmp_path):
   assert run.outcomes == {"tests/test_probe.py::test_probe": baseline.PASSED}, run.result.stdout
 
 
+PROBE = (  # on the result pipe: pytest captures the process's stdout and stderr
+  "import os as _o, time as _t\n"
+  "_o.write(int(_o.environ['COMPOSER_CHANNEL_FD']), f'IMPORTED {_t.monotonic()}\\n'.encode())\n"
+)
+
+
 def test_runs_of_one_grade_never_overlap(tmp_path, monkeypatch):
+  """Each run's task code runs only after the run before it has ended (CLOCK_MONOTONIC is shared with
+  the sandbox: the library stamps its import time); the next run may only be started and held."""
   task = next(t for t in fixture_tasks() if t.feature[0] == TARGET)
-  spans, real = [], prepare.run_tree
-
-  def timed(*a, **k):
-    t0 = time.monotonic()
-    try:
-      return real(*a, **k)
-    finally:
-      spans.append((t0, time.monotonic()))
-
   prepare.prepared(task, baseline.make_sandbox(task.venv))  # preparation (original code only) first
-  monkeypatch.setattr(grading.prepare, "run_tree", timed)
-  g = tasks.grade(task, tasks.checkout(task, tmp_path / "agent"))
-  assert len(spans) >= 3 and g.flags == (), (spans, g)
+  opened, spans = {}, []
+  real_open, real_run = grading._open, grading._run
+
+  def stamp_open(w, gate):
+    opened[id(gate)] = time.monotonic()
+    real_open(w, gate)
+
+  def stamp_run(box, venv, job, gate=None):
+    out = real_run(box, venv, job, gate)
+    spans.append((opened[id(gate)], time.monotonic(), out[0].channel.decode(errors="replace")))
+    return out
+
+  monkeypatch.setattr(grading, "_open", stamp_open)
+  monkeypatch.setattr(grading, "_run", stamp_run)
+  view = tasks.checkout(task, tmp_path / "agent")
+  (view / INIT).write_text(PROBE + (view / INIT).read_text())
+  tasks.grade(task, view)
+  assert len(spans) >= 3, spans
   spans.sort()
-  assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), spans
+  for (_, end, _), (start, _, _) in zip(spans, spans[1:], strict=False):
+    assert end <= start, spans
+  for start, end, err in spans:
+    stamps = [float(x.split()[1]) for x in err.splitlines() if x.startswith("IMPORTED ")]
+    assert stamps and all(start <= t <= end for t in stamps), (start, end, err[-300:])

@@ -118,8 +118,8 @@ def test_stray_test_ids_are_flagged(task, tmp_path, monkeypatch):
   """A run that reports a test the grader never asked for (a forged id) is flagged, not counted."""
   real = grading._run
 
-  def forge(box, venv, job):
-    r, parsed = real(box, venv, job)
+  def forge(box, venv, job, gate=None):
+    r, parsed = real(box, venv, job, gate)
     extra = {"t": "rep", "id": "tests/test_totals.py::test_forged", "when": "call", "outcome": "passed"}
     parsed.records.insert(0, {**extra, "xfail": False})
     return r, parsed

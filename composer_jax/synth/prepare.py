@@ -40,7 +40,9 @@ class Prepared:
   extras: frozenset = frozenset()
 
 
-def run_tree(box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dict, records: bool = True):
+def run_tree(
+  box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dict, records: bool = True, **kw
+):
   """One runner process over a fresh grader-written tree, copied into the sandbox's tmpfs; (result, its
   records, or None with `records=False`: the caller validates the pipe itself)."""
   with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
@@ -48,7 +50,7 @@ def run_tree(box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dic
     snapshot.write_tree(root, files)
     size = sum(len(v) for v in files.values())
     return baseline.run_runner(
-      box, venv, root, spec, copy_in=True, task_bytes=max(256 << 20, 4 * size), records=records
+      box, venv, root, spec, copy_in=True, task_bytes=max(256 << 20, 4 * size), records=records, **kw
     )
 
 

@@ -285,8 +285,35 @@ def read_spec() -> dict:
     return json.loads(f.read())
 
 
+def warm_up(spec: dict) -> None:
+  """Imports that run no code of the task (pytest, the venv's plugins), done before the gate: the task's
+  roots are not on `sys.path` yet."""
+  if spec["mode"] != "pytest":
+    return
+  os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+  import pytest  # noqa: F401
+
+  for name in spec.get("plugins", ()):
+    try:
+      importlib.import_module(name)
+    except Exception:  # noqa: BLE001 (pytest reports it when it loads the plugin)
+      pass
+
+
+def wait_gate() -> None:
+  """Held here until the grader opens the gate (the run before this one has ended); EOF: not to run."""
+  fd = os.environ.pop("COMPOSER_GATE_FD", "")
+  if fd.isdigit():
+    opened = os.read(int(fd), 1)
+    os.close(int(fd))
+    if not opened:
+      os._exit(5)
+
+
 def main(argv: list[str]) -> None:
   spec = read_spec()
+  warm_up(spec)
+  wait_gate()
   sys.path += [r for r in spec.get("roots", ()) if r not in sys.path]
   LIBRARY.update(spec.get("packages", ()))
   chan, rc = Channel(), 3
