@@ -15,10 +15,14 @@ and the grader's totality: an error anywhere in grading is reward 0 with a named
 """
 
 import base64
+import dataclasses
 import itertools
 import json
+import os
+import random
 
 import pytest
+import test_synth_pipe
 from test_synth_redteam import INIT, Hack, assert_caught, fixture_tasks, prepend, replay, stub_replaced
 
 from composer_jax.rl.envs import coding
@@ -143,3 +147,44 @@ def test_grading_never_raises(task, tmp_path, monkeypatch):
   monkeypatch.setattr(coding.tasks, "grade", boom)
   assert env.reward() == 0.0
   assert_caught(env.grade, "grader: internal error (RecursionError")
+
+
+def _random_pipe(rng: random.Random, spec: dict) -> bytes:
+  """Random and adversarial lines, with records that name this run's own tests and calls among them."""
+  ids = [*spec.get("args", ()), *(f"{a}::test_{rng.randrange(3)}" for a in spec.get("args", ()))] or ["x"]
+  made = []
+  for _ in range(rng.randrange(1, 40)):
+    roll, nodeid = rng.random(), rng.choice(ids)
+    if roll < 0.3:
+      made.append(test_synth_pipe._random_line(rng))
+      continue
+    rec = rng.choice([
+      {"t": "item", "id": nodeid, "idx": rng.choice([[], [["a", rng.randrange(3)]], [[1, "a"]]])},
+      {"t": "rep", "id": nodeid, "when": rng.choice(["setup", "call", "teardown"]),
+       "outcome": rng.choice(["passed", "failed", "skipped"]), "xfail": False},
+      {"t": "cerr", "id": nodeid}, {"t": "end", "rc": rng.choice([0, 1, 3, True])}, {"t": "ready"},
+      {"t": "out", "i": rng.randrange(-1, 40), "r": rng.choice([1, ["list", [1]], ["obj", "m", "q", 1]])},
+    ])  # fmt: skip
+    made.append(json.dumps(rec).encode())
+  return b"\n".join(made) + rng.choice([b"\n", b""])
+
+
+def test_grade_is_total_under_random_pipes(task, tmp_path, monkeypatch):
+  """Fuzz through `synth.grade`: every run's pipe replaced by random and adversarial content (the runs
+  themselves skipped); grading returns a Grade, never raises, and any flag means reward 0."""
+  prepare.prepared(task, baseline.make_sandbox(task.venv))
+  rng = random.Random(30)
+
+  def fake_run(box, venv, files, spec, records=True, gate=None):
+    if gate is not None:
+      os.close(gate.fd)  # what the sandbox does with the gate once the command holds it
+    data = _random_pipe(rng, spec)
+    r = sandbox.SandboxResult(rng.choice([0, 1, -9]), "", "", False, 0.1, channel=data)
+    return dataclasses.replace(r, channel_truncated=rng.random() < 0.1), None
+
+  monkeypatch.setattr(grading.prepare, "run_tree", fake_run)
+  view = tasks.checkout(task, tmp_path / "agent")
+  for _ in range(40):
+    g = tasks.grade(task, view)
+    assert 0.0 <= g.reward <= 1.0 and (g.reward == 0.0 or not g.flags), g
+    assert not any("internal error" in f for f in g.flags), g.flags
