@@ -13,6 +13,15 @@ A mismatch is a flag only when the test that made the call was reported passed: 
 solution fails both the test and the check, and is not flagged; passing a test while computing a
 different answer for its input is what forged results, permissive objects and answers read from the
 test's frame or file look like.
+
+Inputs no test made (issue 30): code that only knows the answers for the tests' own inputs (a table of
+them) answers those calls right. So each recorded call also yields a few variants (one int, string,
+float or sequence inside its arguments changed; `variants`), whose original outputs the driver computes
+the same way. When every FAIL_TO_PASS test passed and at least half of (at least MIN_GENERATED)
+generated inputs answer otherwise than the original, that is a flag; an honest solution that differs
+from the original on an odd input or two is not. Arguments beyond plain values: functions and classes by
+the name their module exports them under, instances of the library's own classes by their `__dict__`
+(runner.encode), and for a method the receiver's state after the call is part of its result.
 """
 
 import collections

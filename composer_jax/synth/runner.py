@@ -22,7 +22,15 @@ have computed itself (see canary.py and heldout.py).
 
 Encoding of plain values (arguments and results): None, bool, int, str as JSON; floats, bytes, complex,
 range and containers as `[tag, payload]`; exact types only (a subclass or any other object is not plain),
-so an object with a permissive `__eq__` can never encode as the value it claims to equal.
+so an object with a permissive `__eq__` can never encode as the value it claims to equal. Also: a
+function or class by reference (`["ref", module, qualname]`, where the module exports it under that name)
+and an instance of a class of the library by its state (`["obj", module, qualname, state]`, no slots, no
+builtin base); test modules' functions and lambdas are not encoded. Every record is validated by the
+grader (pipe.py) before use.
+
+Start-up and the gate: pytest and the venv's plugins are imported first (no code of the task: its roots
+are not on `sys.path` yet), then the runner waits on `$COMPOSER_GATE_FD` when given: the grader starts
+the next run of a grade early and opens its gate only once the run before it has ended.
 """
 
 import importlib

@@ -17,6 +17,10 @@ Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md)
 - stdout and stderr are pipes read into bounded buffers (nothing is spooled to the host disk). With
   `channel=True` the command also gets the write end of a pipe (its number in `$COMPOSER_CHANNEL_FD`):
   the test runner reports results there, never through a file the sandboxed code could replace.
+- Nothing one run does may be read by another (issue 30): host-wide counters under /proc (open files,
+  memory, load, CPU times, locks) are masked (`bwrap.py`), open files are capped per process, a tree
+  gets at most `cgroups.CPU_QUOTA` CPUs, and what the command needs (the runner's spec) comes through a
+  memfd (`inputs`), not a file in the sandbox.
 - There is no fallback to unsandboxed execution: without bwrap, `SandboxUnavailable`.
 """
 
