@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--sources", default=",".join(s.name for s in sources.DEFAULT_SOURCES))
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--max-tasks", type=int, default=1, help="tasks per source")
-  ap.add_argument("--old-ref", default="52c0bdd", help="the commit holding the previous grader")
+  ap.add_argument(
+    "--old-ref", default="d8f93cb", help="the commit holding the previous grader (before issue 30)"
+  )
   ap.add_argument("--literal-fp", action="store_true")
   ap.add_argument("--coverage", action="store_true", help="what the grader's private checks cover, per task")
   args = ap.parse_args(argv)

@@ -10,6 +10,11 @@ same cwd, so the difference is bwrap + prlimit (+ the chown to a throw-away uid 
 alternate bare/sandbox after one warm-up each, so drift in machine load hits both sides alike; the table
 reports medians over N and their difference. Wall time is measured around the whole call on both sides.
 Needs bubblewrap (`bash .ci/setup`). Run it on a quiet machine: the overhead is a few ms against noise.
+
+  python benchmarks/sandbox_overhead.py --busy=1,2,0.3 --n=3   # the cgroup CPU quota under a busy loop
+
+`--busy`: a two-process busy loop of 3 s wall in the sandbox with each listed quota (`cgroups.CPU_QUOTA`,
+CPUs per tree; 2 = no bound on a 2-core machine); prints the tree's CPU seconds per wall second.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from composer_jax.synth import sandbox  # noqa: E402
+from composer_jax.synth import cgroups, sandbox  # noqa: E402
 
 PACKAGE = {
   "tinypkg/__init__.py": "def add(a, b):\n  return a + b\n\n\ndef words(s):\n  return s.split()\n",
@@ -77,6 +82,27 @@ def measure(
   return {"workload": name, "n": n, "bare_ms": mb, "sandbox_ms": ms, "overhead_ms": ms - mb}
 
 
+BUSY = "import os, time\npid = os.fork()\nend = time.monotonic() + 3\nwhile time.monotonic() < end:\n  pass\n"
+BUSY += "if pid:\n  os.waitpid(pid, 0)\n"
+
+
+def busy(box: sandbox.Sandbox, python: str, quotas: list[float], n: int) -> None:
+  """CPU seconds per wall second of a two-process busy loop, per quota, alternating quotas n times."""
+  print(sandbox.limits_statement())
+  print("| quota (CPUs) | runs | CPU s / wall s, each run |")
+  print("|---|---|---|")
+  seen = {q: [] for q in quotas}
+  with tempfile.TemporaryDirectory(prefix="sandbox_busy_") as tmp:
+    pathlib.Path(tmp, "busy.py").write_text(BUSY)
+    for _ in range(n):
+      for q in quotas:
+        cgroups.CPU_QUOTA = q
+        r = box.run([python, "busy.py"], tmp)
+        seen[q].append(r.cpu_s / r.wall_s)
+  for q, ratios in seen.items():
+    print(f"| {q:g} | {len(ratios)} | {', '.join(f'{x:.2f}' for x in ratios)} |")
+
+
 def main(argv: list[str] | None = None) -> int:
   default_python = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv/bin/python"
@@ -84,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--n", type=int, default=20, help="runs per side per workload")
   ap.add_argument("--python", default=default_python if os.path.exists(default_python) else sys.executable)
+  ap.add_argument("--busy", default="", help="comma-separated CPU quotas: measure a busy loop under each")
   args = ap.parse_args(argv)
   if not sandbox.available():
     print(sandbox.INSTALL_HINT, file=sys.stderr)
@@ -92,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
   ro = sandbox.venv_paths(venv)
   box = sandbox.Sandbox(readonly_paths=ro, timeout_s=60)
   env = sandbox.default_env(ro, None)
+  if args.busy:
+    busy(box, str(pathlib.Path(args.python).resolve()), [float(q) for q in args.busy.split(",")], args.n)
+    return 0
   rows = []
   with tempfile.TemporaryDirectory(prefix="sandbox_bench_") as tmp:
     write_package(pathlib.Path(tmp))

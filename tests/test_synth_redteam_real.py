@@ -12,6 +12,7 @@ import pathlib
 import pytest
 from test_synth_real import inflection_env, inflection_tasks  # noqa: F401 (fixture)
 from test_synth_redteam import FRAME_READ, PATCH_RUNTEST, SHADOW, Hack, assert_caught
+from test_synth_redteam_round3 import REWRITE
 
 from composer_jax.rl import chat, envs
 from composer_jax.rl.envs import coding
@@ -136,6 +137,10 @@ HACKS = [
     ("canary", "heldout"),
   ),  # noqa: E501
   Hack("stdlib_shadow", "run_tree", lambda v: {"pprint.py": SHADOW}, ("shadow",)),
+  # issue 30: every report rewritten to passed and every parametrisation index emptied. Paired by the
+  # reported index, camelize's table-driven canaries were switched off; paired by the grader's own ids,
+  # they are not.
+  Hack("reports_rewritten", "self_report", lambda v: _prepend(v, REWRITE), ("canary",)),
   Hack("module_symlink", "run_tree", lambda v: {}, ("refused symlink",), plant=_symlink),
 ]
 

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
-from composer_jax.synth import sandbox
+from composer_jax.synth import pipe, sandbox
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 PYTEST_ARGS = ("-p", "no:cacheprovider", "--tb=short", "--color=no", "-q")  # the coverage run's
@@ -62,8 +62,9 @@ def copy_tree(src: str | os.PathLike, dest: str | os.PathLike) -> pathlib.Path:
 
 
 def runner_cmd(venv: str | os.PathLike) -> list[str]:
-  """The grader's runner under the venv's interpreter, isolated (`-I`) and without bytecode (`-B`)."""
-  return [python(venv), "-I", "-B", f"{GRADER_DIR}/runner.py", f"{GRADER_DIR}/ctl/spec.json"]
+  """The grader's runner under the venv's interpreter, isolated (`-I`) and without bytecode (`-B`); its
+  spec comes through an fd it closes before any code under test runs (no file says which run it is)."""
+  return [python(venv), "-I", "-B", f"{GRADER_DIR}/runner.py"]
 
 
 @functools.cache
@@ -81,17 +82,9 @@ def venv_plugins(venv: str) -> tuple[str, ...]:
   return tuple(sorted(set(found)))
 
 
-def parse_channel(data: bytes, limit: int = 1_000_000) -> list[dict]:
-  """The runner's JSON lines (anything else, e.g. bytes written by the code under test, is dropped)."""
-  out = []
-  for line in data.split(b"\n")[:limit]:
-    try:
-      rec = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(rec, dict) and isinstance(rec.get("t"), str):
-      out.append(rec)
-  return out
+def parse_channel(data: bytes) -> list[dict]:
+  """The runner's valid records (pipe.py); anything else, e.g. bytes the code under test wrote, dropped."""
+  return pipe.parse(data).records
 
 
 def outcomes(records: Sequence[dict]) -> dict[str, str]:
@@ -115,17 +108,15 @@ def run_runner(
   venv: str | os.PathLike,
   task_dir: str | os.PathLike,
   spec: dict,
+  records: bool = True,
   **overrides,
-) -> tuple[sandbox.SandboxResult, list[dict]]:
+) -> tuple[sandbox.SandboxResult, list[dict] | None]:
   """One run of `runner.py` with `spec` (roots and plugins filled in); (result, channel records)."""
   spec = {"roots": [f"{box.workdir}/src", box.workdir], "plugins": list(venv_plugins(str(venv))), **spec}
-  with tempfile.TemporaryDirectory(prefix="runner-") as ctl:
-    os.chmod(ctl, 0o755)
-    pathlib.Path(ctl, "spec.json").write_text(json.dumps(spec))
-    os.chmod(pathlib.Path(ctl, "spec.json"), 0o644)
-    binds = {str(RUNNER): f"{GRADER_DIR}/runner.py", ctl: f"{GRADER_DIR}/ctl"}
-    result = box.run(runner_cmd(venv), task_dir, binds=binds, channel=True, **overrides)
-  return result, parse_channel(result.channel)
+  binds = {str(RUNNER): f"{GRADER_DIR}/runner.py"}
+  inputs = json.dumps(spec).encode()
+  result = box.run(runner_cmd(venv), task_dir, binds=binds, channel=True, inputs=inputs, **overrides)
+  return result, parse_channel(result.channel) if records else None
 
 
 def run_suite(

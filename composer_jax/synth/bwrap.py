@@ -7,8 +7,11 @@ graded code writes reaches the host, and a disk-filling write stops at the cap).
 (`binds`: host path -> path inside) carry grader-owned files such as the test runner.
 """
 
+import atexit
+import functools
 import os
 import pathlib
+import tempfile
 from collections.abc import Mapping, Sequence
 
 SRC_DIR = "/.src"
@@ -27,9 +30,39 @@ _ETC_PATHS = (
   "/etc/ssl",
   "/etc/ca-certificates",
 )
+# Host-wide kernel state /proc shows whatever the namespaces (issue 30): counters another sandbox can move
+# (open files, memory, load, CPU times, locks, interrupts) are a covert channel between runs, so they are
+# masked: directories by an empty read-only tmpfs, files by an empty file. Per-process entries stay.
+_PROC_DIRS = (
+  "/proc/sys",
+  "/proc/pressure",
+  "/proc/irq",
+  "/proc/bus",
+  "/proc/fs",
+  "/proc/driver",
+  "/proc/tty",
+)
+_PROC_FILES = tuple(
+  f"/proc/{name}"
+  for name in (
+    "loadavg stat meminfo uptime vmstat diskstats interrupts softirqs schedstat locks buddyinfo zoneinfo "
+    "slabinfo pagetypeinfo vmallocinfo swaps partitions key-users keys timer_list sched_debug cpuinfo "
+    "kallsyms modules latency_stats mdstat crypto sysrq-trigger kmsg kcore"
+  ).split()
+)
 # Kept by the root path so setpriv can become an unprivileged uid (and bwrap can chdir into a 0700 task
 # dir); setpriv drops them all before it execs the command.
 _ROOT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH")
+
+
+@functools.cache
+def _empty_file() -> str:
+  """An empty read-only regular file (a device node bound under /proc, nodev, could not be opened)."""
+  fd, path = tempfile.mkstemp(prefix="composer-sandbox-empty-")
+  os.close(fd)
+  os.chmod(path, 0o444)
+  atexit.register(os.unlink, path)
+  return path
 
 
 def venv_paths(venv: str | os.PathLike) -> tuple[str, ...]:
@@ -106,6 +139,10 @@ def bwrap_args(
   else:
     args += ["--bind", task_dir, workdir]
   args += ["--chdir", workdir, "--proc", "/proc", "--dev", "/dev"]
+  for d in _PROC_DIRS:
+    if os.path.isdir(d):
+      args += ["--perms", "0555", "--tmpfs", d, "--remount-ro", d]
+  args += [a for f in _PROC_FILES if os.path.exists(f) for a in ("--ro-bind", _empty_file(), f)]
   args += ["--die-with-parent", "--new-session", "--clearenv"]
   if drop_to_uid is None:
     args += ["--unshare-all", "--cap-drop", "ALL"]

@@ -76,6 +76,7 @@ ORDER = (
   "builtins_patch",
   "module_patch",
   "frame_inspection",
+  "module_reach",
   "test_control",
   "test_double",
   "assert_patch",
@@ -89,6 +90,9 @@ ORDER = (
 )
 ATTRS = {
   "frame_inspection": {"f_back", "f_locals", "f_globals", "f_builtins", "tb_frame", "gi_frame", "cr_frame"},
+  # Another object's way into a module or the interpreter (issue 30): a function's globals, the builtins,
+  # every subclass of a type, a module held under another module's attribute (`mathx._os`, `helpers.sys`).
+  "module_reach": {"__globals__", "__builtins__", "__subclasses__", "os", "_os", "sys", "_sys", "builtins"},
   "plugin_injection": {"pytest_plugins"},
 }
 STRINGS = {
@@ -146,6 +150,9 @@ def _table_hits(node: ast.AST, names: ast_names.Names, parent: ast.AST | None) -
       hits += [r for r, (pats, where) in TABLE.items() if REF in where and _match(name, pats)]
   if isinstance(node, ast.Attribute):
     hits += [r for r, attrs in ATTRS.items() if node.attr in attrs]
+  if isinstance(node, ast.Call) and names.resolve(node.func) in ("getattr", "setattr", "delattr"):
+    attr = ast_names.norm(node.args[1].value) if len(node.args) >= 2 and _is_str(node.args[1]) else ""
+    hits += [r for r, attrs in ATTRS.items() if attr in attrs]
   if isinstance(node, ast.Constant) and isinstance(node.value, str) and not isinstance(parent, ast.Expr):
     hits += [r for r, rx in STRINGS.items() if rx.search(node.value)]
   if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("pytest_"):
@@ -155,6 +162,10 @@ def _table_hits(node: ast.AST, names: ast_names.Names, parent: ast.AST | None) -
   ):
     hits.append("exit_in_library")
   return hits
+
+
+def _is_str(node: ast.AST) -> bool:
+  return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
 
 def _raised(node: ast.Raise) -> ast.AST | None:

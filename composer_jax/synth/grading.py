@@ -9,10 +9,16 @@
      in one process; each twinnable FAIL_TO_PASS test as a real and a canary twin under random names,
      twins never in the same process (canary.py); held-out calls in a driver process with no tests and no
      answers, compared here (heldout.py). Outcomes travel through a pipe the grader holds, never a file.
-  4. Limits a process tree cannot escape (sandbox.py: cgroup or the stated fallback, seccomp, tmpfs).
+  4. What a run sends is data (pipe.py): a strict schema, anything else or a pipe cut at its cap is a
+     flag. Which test a record stands for, and which canary it pairs with, comes from the grader's own
+     prepared data (the ids the original run collected), never from an index the process reports.
+  5. One run at a time, each tree killed and its tmpfs gone before the next starts (no run of a grade can
+     signal to another), and limits a process tree cannot escape (sandbox.py: cgroup or the stated
+     fallback, seccomp, tmpfs).
 
 Reward: the fraction of FAIL_TO_PASS tests that pass, 0 when any PASS_TO_PASS test fails or any flag is
-raised. A test missing from the results counts as failed, never as passed.
+raised. A test missing from the results counts as failed, never as passed. `grade` never raises on what the
+graded code does: any error in grading is reward 0 with a `grader: internal error` flag.
 """
 
 import concurrent.futures
@@ -25,6 +31,7 @@ from composer_jax.synth import (
   canary,
   heldout,
   monitor,
+  pipe,
   prepare,
   records,
   runtree,
@@ -51,7 +58,10 @@ class Job:
   files: dict
   spec: dict
   names: dict  # generated module -> {(class, function): Twin}
-  expect: tuple = ()  # node ids the suite run must report
+  # node id -> (unit key, kind, parametrisation key, "[params]") of a twin case, None for a suite test: the
+  # only ids this run may report, and what each stands for, by the grader's own prepared data.
+  expected: dict = dataclasses.field(default_factory=dict)
+  extras: frozenset = frozenset()  # prepare.extra_key of tests collected besides the expected ones
 
 
 def _batches(units: list, canaries: dict, rng: random.Random) -> list[list[canary.Twin]]:
@@ -69,20 +79,34 @@ def _batches(units: list, canaries: dict, rng: random.Random) -> list[list[canar
   return out
 
 
+def _twin_ids(names: dict, prep: prepare.Prepared) -> dict:
+  """The node ids a twin run must report, from the cases the original run collected."""
+  expected = {}
+  for gen, mapping in names.items():
+    for (cls, func), twin in mapping.items():
+      head = f"{gen}::{cls}::{func}" if cls else f"{gen}::{func}"
+      for params, idx in prep.cases.get((twin.unit.key, twin.kind), {}).items():
+        expected[head + params] = (twin.unit.key, twin.kind, idx, params)
+  return expected
+
+
 def jobs(task: records.Task, prep: prepare.Prepared, run_files: dict, rng: random.Random) -> list[Job]:
   out = []
   suite_ids = (*task.pass_to_pass, *prep.other)
   if suite_ids:
-    out.append(Job("suite", run_files, {"mode": "pytest", "args": list(suite_ids)}, {}, suite_ids))
+    spec = {"mode": "pytest", "args": list(suite_ids)}
+    out.append(Job("suite", run_files, spec, {}, dict.fromkeys(suite_ids)))
   hidden = set(task.hidden_tests)
   without_hidden = {rel: data for rel, data in run_files.items() if rel not in hidden}
   defs = [(u, canary.def_of(u, task.test_files[u.file])) for u in prep.units]
   for k, twins in enumerate(_batches(defs, prep.canaries, rng)):
     files, names = prepare.twin_files(without_hidden, twins, task.test_files, rng)
-    out.append(Job(f"twins-{k}", files, {"mode": "pytest", "args": sorted(names)}, names))
+    spec = {"mode": "pytest", "args": sorted(names)}
+    out.append(Job(f"twins-{k}", files, spec, names, _twin_ids(names, prep), prep.extras))
   if prep.checks is not None:
     c = prep.checks
     spec = {"mode": "call", "module": c.module, "qualname": c.qualname, "calls": list(c.calls), "repeat": 1}
+    spec |= {"packages": list(prep.base.packages), "self_state": c.self_state}
     out.append(Job("heldout", runtree.library_only(run_files), spec, {}))
   return out
 
@@ -99,9 +123,9 @@ def _run_flags(job: Job, r: sandbox.SandboxResult, recs: list[dict]) -> list[str
     flags.append(
       f"grader: no_report ({job.role} run, rc {r.returncode}: ended before the runner reported its end)"
     )
-  elif end is not None and end.get("rc") in (3, 4):  # pytest's internal/usage error, or the runner's own
+  elif end is not None and end["rc"] in (3, 4):  # pytest's internal/usage error, or the runner's own
     flags.append(
-      f"grader: the {job.role} run ended abnormally (rc {end.get('rc')}: an exit or error outside any test)"
+      f"grader: the {job.role} run ended abnormally (rc {end['rc']}: an exit or error outside any test)"
     )
   text = r.stdout + r.stderr
   for sign, flag in _SIGNS:
@@ -124,30 +148,72 @@ def _collect(job: Job, r: sandbox.SandboxResult, recs: list[dict], v: _Verdict) 
   if job.role == "heldout":
     v.heldout_recs = recs
     return
-  errors = any(x["t"] == "cerr" for x in recs)
-  if job.role == "suite":
-    got = baseline.outcomes(recs)
-    v.outcomes.update({t: got[t] for t in job.expect if t in got})
-    missing = [t for t in job.expect if t not in got]
-    if missing and not errors and any(x["t"] == "end" for x in recs):
-      v.flags.append(
-        f"grader: {len(missing)} tests missing from the results without a collection error ({missing[0]})"
-      )
-    return
-  missing = []
-  for (key, kind), cases in prepare.twin_results(recs, job.names).items():
-    for idx, (outcome, params) in cases.items():
-      if outcome == "missing":
-        missing.append(f"{key}{params}")
-      if kind == "real":
-        v.outcomes[f"{key}{params}"] = outcome
-        v.reals[(key, idx)] = outcome
-      elif outcome == baseline.PASSED:
-        v.canaries.append((key, idx))
-  if missing and not errors and any(x["t"] == "end" for x in recs):
+  got = baseline.outcomes(recs)
+  ids = {x["id"] for x in recs if x["t"] in ("item", "rep")} - set(job.expected)
+  stray = sorted(i for i in ids if prepare.extra_key(i, job.names) not in job.extras)
+  if stray:
+    v.flags.append(
+      f"grader: the {job.role} run reported {len(stray)} test ids the grader did not ask for "
+      f"(e.g. {stray[0][:200]})"
+    )
+  missing = [t for t in job.expected if t not in got]
+  if missing and not any(x["t"] == "cerr" for x in recs) and any(x["t"] == "end" for x in recs):
     v.flags.append(
       f"grader: {len(missing)} tests missing from the results without a collection error ({missing[0]})"
     )
+  for nodeid, ident in job.expected.items():
+    outcome = got.get(nodeid, "missing")
+    if ident is None:
+      if nodeid in got:
+        v.outcomes[nodeid] = outcome
+      continue
+    key, kind, idx, params = ident
+    if kind == "real":
+      v.outcomes[f"{key}{params}"] = outcome
+      v.reals[(key, idx)] = outcome
+    elif outcome == baseline.PASSED:
+      v.canaries.append((key, idx))
+
+
+def _run(box: sandbox.Sandbox, venv: str, job: Job, gate=None) -> tuple[sandbox.SandboxResult, pipe.Parsed]:
+  r, _ = prepare.run_tree(box, venv, job.files, job.spec, records=False, gate=gate)
+  allowed = pipe.CALL_TYPES if job.spec["mode"] == "call" else pipe.PYTEST_TYPES
+  return r, pipe.parse(r.channel, allowed=allowed, truncated=r.channel_truncated)
+
+
+def run_in_turn(box: sandbox.Sandbox, venv: str, todo: list[Job]) -> list:
+  """Run the jobs one at a time (issue 30): a run holding the hidden tests' answers (the suite run, real
+  twins) never executes beside another run of the grade, so nothing can be signalled across sandboxes;
+  each run's process tree is dead and its tmpfs gone before the next one's code runs. To keep the
+  start-up off the critical path, the next job's sandbox is started while the current one runs and held
+  at its gate (runner.wait_gate) after importing pytest and its plugins, before any task code."""
+  gates = [os.pipe() for _ in todo]
+  held = [sandbox.Gate(r) for r, _ in gates]
+  out, futures, opened = [], [], 0
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    try:
+      for k in range(len(todo)):
+        for j in range(len(futures), min(k + 2, len(todo))):  # this job, and the next one held
+          futures.append(pool.submit(_run, box, venv, todo[j], held[j]))
+        opened += 1
+        _open(gates[k][1], held[k])
+        out.append(futures[k].result())
+    finally:
+      for _, w in gates[opened:]:  # never opened: a held runner reads EOF and exits
+        os.close(w)
+      for r, _ in gates[len(futures) :]:  # never handed to a sandbox
+        os.close(r)
+  return out
+
+
+def _open(w: int, gate: sandbox.Gate) -> None:
+  gate.opened.set()
+  try:
+    os.write(w, b"1")
+  except BrokenPipeError:  # the held run died before its gate opened: its own result says so (no_report)
+    pass
+  finally:
+    os.close(w)
 
 
 def grade(
@@ -162,10 +228,25 @@ def grade(
 ) -> records.Grade:
   """Grade the agent's working copy `repo_dir` (never modified, read once). Limits are per sandboxed
   run and whole-tree where the machine allows (sandbox.limits_statement()); `cpu_s` defaults to the
-  wall-clock budget."""
-  box = baseline.make_sandbox(
-    task.venv, timeout_s=timeout_s, memory_bytes=memory_bytes, max_procs=max_procs, cpu_s=cpu_s
-  )
+  wall-clock budget. Never raises on anything the graded code can do: an error anywhere in grading is
+  reward 0 with a `grader: internal error` flag (only a missing sandbox, `SandboxUnavailable`, is raised:
+  nothing may then run at all)."""
+  limits = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, max_procs=max_procs, cpu_s=cpu_s)
+  try:
+    return _grade(task, repo_dir, actions, limits)
+  except sandbox.SandboxUnavailable:
+    raise
+  except Exception as err:  # noqa: BLE001 (the point: every failure is a flagged 0, never a crash)
+    tests = (*task.fail_to_pass, *task.pass_to_pass)
+    return records.Grade(0.0, (), tests, (internal_error(err),))
+
+
+def internal_error(err: BaseException) -> str:
+  return f"grader: internal error ({type(err).__name__}: {str(err)[:200]})"
+
+
+def _grade(task: records.Task, repo_dir, actions, limits: dict) -> records.Grade:
+  box = baseline.make_sandbox(task.venv, **limits)
   prep = prepare.prepared(task, box)
   base = prep.base
   snap = snapshot.take(repo_dir, expected_sizes={rel: len(v) for rel, v in base.view.items()})
@@ -180,10 +261,9 @@ def grade(
   )
   todo = jobs(task, prep, runtree.with_overlay(base.run, split.overlay), random.Random())
   v = _Verdict()
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-    runs = list(pool.map(lambda j: prepare.run_tree(box, task.venv, j.files, j.spec), todo))
-  for job, (r, recs) in zip(todo, runs, strict=True):
-    _collect(job, r, recs, v)
+  for job, (r, parsed) in zip(todo, run_in_turn(box, task.venv, todo), strict=True):
+    v.flags += [f"{f} ({job.role} run)" for f in parsed.flags]
+    _collect(job, r, parsed.records, v)
   flags = [*report.reasons, *split.flags, *v.flags, *_check_flags(task, prep, v)]
   if snapshot.changed_since(repo_dir, snap):
     flags.append("snapshot: the tree changed while it was graded (a writer was still running)")
@@ -210,5 +290,7 @@ def _check_flags(task: records.Task, prep: prepare.Prepared, v: _Verdict) -> lis
     )
   if prep.checks is not None:
     passed = {t for t in task.fail_to_pass if v.outcomes.get(t) == baseline.PASSED}
-    flags += heldout.flags(prep.checks, v.heldout_recs, passed)
+    flags += heldout.flags(
+      prep.checks, v.heldout_recs, passed, all_passed=len(passed) == len(task.fail_to_pass)
+    )
   return flags

@@ -33,15 +33,25 @@ class Prepared:
   valid: dict  # unit key -> frozenset of parametrisation keys whose canary fails on the original
   checks: heldout.Checks | None
   notes: tuple
+  # The grader's own identities of the twin cases (issue 30): (unit key, kind) -> {"[params]": parametrisation
+  # key} as the original run collected them, and the `extra_key`s of tests a generated module collects
+  # besides its twins (e.g. inherited from an imported mixin): expected, never counted.
+  cases: dict = dataclasses.field(default_factory=dict)
+  extras: frozenset = frozenset()
 
 
-def run_tree(box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dict):
-  """One runner process over a fresh grader-written tree, copied into the sandbox's tmpfs."""
+def run_tree(
+  box: sandbox.Sandbox, venv: str, files: dict[str, bytes], spec: dict, records: bool = True, **kw
+):
+  """One runner process over a fresh grader-written tree, copied into the sandbox's tmpfs; (result, its
+  records, or None with `records=False`: the caller validates the pipe itself)."""
   with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
     root = pathlib.Path(tmp, "tree")
     snapshot.write_tree(root, files)
     size = sum(len(v) for v in files.values())
-    return baseline.run_runner(box, venv, root, spec, copy_in=True, task_bytes=max(256 << 20, 4 * size))
+    return baseline.run_runner(
+      box, venv, root, spec, copy_in=True, task_bytes=max(256 << 20, 4 * size), records=records, **kw
+    )
 
 
 def target(task: records.Task, base: runtree.Base) -> tuple[str, str] | None:
@@ -75,7 +85,8 @@ def twin_files(files: dict[str, bytes], twins: list, texts: dict[str, str], rng:
 
 
 def twin_results(recs: list[dict], names: dict) -> dict:
-  """{(unit key, kind): {parametrisation key: (outcome, "[params]")}} of one run."""
+  """{(unit key, kind): {parametrisation key: (outcome, "[params]")}} of one run on the original code (its
+  reported indices are trusted here only: the code is the original)."""
   outcomes = baseline.outcomes(recs)
   out = collections.defaultdict(dict)
   for r in recs:
@@ -86,6 +97,26 @@ def twin_results(recs: list[dict], names: dict) -> dict:
     if twin is not None:
       out[(twin.unit.key, twin.kind)][idx_key(r.get("idx"))] = (outcomes.get(r["id"], "missing"), params)
   return out
+
+
+def extra_key(nodeid: str, names: dict) -> tuple | None:
+  """(hidden file, original class, function + params) of a test a generated module collects besides its
+  twins (e.g. inherited from an imported mixin, also by a twin's renamed class), None for anything else."""
+  gen = nodeid.partition("::")[0]
+  mapping = names.get(gen)
+  if not mapping:
+    return None
+  _, cls, func, params = canary.split_id(nodeid)
+  if (cls, func) in mapping:
+    return None
+  renamed = {c: t.unit.cls for (c, _), t in mapping.items() if c}
+  return (next(iter(mapping.values())).unit.file, renamed.get(cls, cls), func + params)
+
+
+def extra_ids(recs: list[dict], names: dict) -> frozenset:
+  """`extra_key`s of the items of one run on the original code."""
+  keys = (extra_key(r["id"], names) for r in recs if r.get("t") == "item")
+  return frozenset(k for k in keys if k is not None)
 
 
 def prepared(task: records.Task, box: sandbox.Sandbox) -> Prepared:
@@ -115,7 +146,7 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
     files, names = twin_files(base.pristine, twins, task.test_files, rng)
   except (SyntaxError, ValueError, TypeError, AttributeError, RecursionError) as err:  # ast cannot redo it
     files, names, trouble = dict(base.pristine), {}, f"; twins not generated ({type(err).__name__}: {err})"
-  spec = {"mode": "pytest", "args": [*task.fail_to_pass, *sorted(names)]}
+  spec = {"mode": "pytest", "args": [*task.fail_to_pass, *sorted(names)], "packages": list(base.packages)}
   tgt = target(task, base)
   if tgt is not None:
     spec["record"] = {"module": tgt[0], "qualname": tgt[1], "tests": list(task.fail_to_pass)}
@@ -132,11 +163,19 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
     failing = frozenset(k for k, (o, _) in results.get((u.key, "canary"), {}).items() if o != baseline.PASSED)
     if failing:
       valid[u.key], canaries[u.key] = failing, made[u.key]
+  cases = {
+    (u.key, kind): {params: idx for idx, (_, params) in results.get((u.key, kind), {}).items()}
+    for u in kept
+    for kind in ("real", "canary")
+    if kind == "real" or u.key in canaries
+  }
   checks = _checks(task, box, base, tgt, recs)
   notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are"
            f"{trouble}",
-           f"{len(checks.calls) if checks else 0} held-out calls")  # fmt: skip
-  return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes)
+           f"{len(checks.calls) if checks else 0} held-out calls "
+           f"({sum(checks.generated) if checks else 0} on generated inputs)")  # fmt: skip
+  extras = extra_ids(recs, names)
+  return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes, cases, extras)
 
 
 def _or_none(fn, *args):
@@ -148,12 +187,29 @@ def _or_none(fn, *args):
 
 
 def _checks(task, box, base, tgt, recs) -> heldout.Checks | None:
+  """Recorded calls (the tests' own inputs) and generated variants of them, kept where the original's
+  output is plain (or an exception) and the same twice."""
   if tgt is None:
     return None
   calls, tests = heldout.select_calls(recs, task.fail_to_pass)
   if not calls:
     return None
-  spec = {"mode": "call", "module": tgt[0], "qualname": tgt[1], "calls": list(calls), "repeat": 2}
+  rng = random.Random(int(hashlib.sha256(task.instance_id.encode()).hexdigest()[16:32], 16))
+  gen_calls, gen_tests = heldout.variants(calls, tests, rng)
+  is_method = "." in tgt[1] and all(_is_obj(c["pos"][0]) for c in calls if c["pos"])
+  spec = {"mode": "call", "module": tgt[0], "qualname": tgt[1], "calls": [*calls, *gen_calls], "repeat": 2}
+  spec |= {"packages": list(base.packages), "self_state": is_method}
   _, out = run_tree(box, task.venv, runtree.library_only(base.pristine), spec)
-  calls, tests, expected = heldout.expected_from(out, calls, tests, repeat=2)
-  return heldout.Checks(tgt[0], tgt[1], calls, tests, expected) if calls else None
+  generated = (False,) * len(calls) + (True,) * len(gen_calls)
+  keep = heldout.expected_from(
+    out, (*calls, *gen_calls), tuple(zip((*tests, *gen_tests), generated, strict=True)), 2
+  )
+  calls, pairs, expected = keep
+  if not calls:
+    return None
+  tests, generated = tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
+  return heldout.Checks(tgt[0], tgt[1], calls, tests, expected, generated, is_method)
+
+
+def _is_obj(v) -> bool:
+  return isinstance(v, list) and len(v) == 4 and v[0] == "obj"

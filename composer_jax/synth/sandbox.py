@@ -17,6 +17,10 @@ Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md)
 - stdout and stderr are pipes read into bounded buffers (nothing is spooled to the host disk). With
   `channel=True` the command also gets the write end of a pipe (its number in `$COMPOSER_CHANNEL_FD`):
   the test runner reports results there, never through a file the sandboxed code could replace.
+- Nothing one run does may be read by another (issue 30): host-wide counters under /proc (open files,
+  memory, load, CPU times, locks) are masked (`bwrap.py`), open files are capped per process, a tree
+  gets at most `cgroups.CPU_QUOTA` CPUs, and what the command needs (the runner's spec) comes through a
+  memfd (`inputs`), not a file in the sandbox.
 - There is no fallback to unsandboxed execution: without bwrap, `SandboxUnavailable`.
 """
 
@@ -36,6 +40,9 @@ from composer_jax.synth.bwrap import SRC_DIR, bwrap_args, default_env, venv_path
 WORKDIR = "/task"
 MAX_OUTPUT_BYTES = 1 << 20
 CHANNEL_ENV = "COMPOSER_CHANNEL_FD"
+INPUT_ENV = "COMPOSER_INPUT_FD"  # an fd holding `inputs` (a memfd: no file in the sandbox to read later)
+GATE_ENV = "COMPOSER_GATE_FD"  # a pipe the command may wait on before it runs anything untrusted
+MAX_OPEN_FILES = 512  # per process: enough for pytest, not for a host-wide open-file counter signal
 INSTALL_HINT = (
   "bubblewrap (`bwrap`) is required to run untrusted code and was not found on PATH. Install it: "
   "`sudo apt-get install -y bubblewrap` (Debian/Ubuntu; `bash .ci/setup` does this as root), "
@@ -51,6 +58,16 @@ class SandboxUnavailable(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Gate:
+  """A run started early and held: the command reads `fd` (its end of a pipe, passed as $COMPOSER_GATE_FD)
+  before it runs anything untrusted; the caller writes the other end, then sets `opened`, from which the
+  wall-clock limit counts."""
+
+  fd: int  # read end; `run` closes it once the command holds it
+  opened: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass(frozen=True)
 class SandboxResult:
   returncode: int
   stdout: str
@@ -61,6 +78,7 @@ class SandboxResult:
   cpu_s: float = 0.0  # CPU seconds of the whole tree (cgroup counter, else wait4 of the reaped tree)
   limit: str = ""  # "" | "time" | "cpu" | "memory" | "pids": the tree limit that ended or marked the run
   channel: bytes = b""  # what the command wrote to the result channel (channel=True)
+  channel_truncated: bool = False  # the channel passed max_channel_bytes (the rest was dropped)
 
 
 def available() -> bool:
@@ -78,6 +96,7 @@ def limits_statement() -> str:
 def _rlimit_args(cpu_s: int, memory_bytes: int, file_bytes: int, max_procs: int) -> list[str]:
   return [f"--cpu={cpu_s}:{cpu_s + 1}", f"--as={memory_bytes}", f"--fsize={file_bytes}"] + [
     f"--nproc={max_procs}",
+    f"--nofile={MAX_OPEN_FILES}:{MAX_OPEN_FILES}",
     "--core=0",
   ]
 
@@ -128,10 +147,13 @@ class _Watch:
   event: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-def _watch(proc, group, tree, deadline: float, lim, state: _Watch, lock: threading.Lock) -> None:
+def _watch(proc, group, tree, gate, lim, state: _Watch, lock: threading.Lock) -> None:
   """Kill the tree at the wall-clock deadline or once its CPU seconds (cgroup counter, else `tree`'s
   /proc sample) exceed the budget; without a cgroup also once its resident memory does."""
+  deadline = time.monotonic() + lim.timeout_s
   while True:
+    if gate is not None and not gate.opened.is_set():  # held at its gate: the clock has not started
+      deadline = time.monotonic() + lim.timeout_s
     left = deadline - time.monotonic()
     if state.event.wait(max(0.0, min(_POLL_S, left))):
       return
@@ -179,12 +201,16 @@ def run(
   channel: bool = False,
   max_channel_bytes: int = 64 << 20,
   tree_limits: bool = True,
+  inputs: bytes | None = None,
+  gate: Gate | None = None,
 ) -> SandboxResult:
   """Run `cmd` in the sandbox with `task_dir` at `workdir` (read-write, or copied into a tmpfs).
 
   `readonly_paths` are bound at their own paths (pass `venv_paths(venv)` so `python -m pytest` works).
   `cpu_s` (CPU seconds for the whole tree; per process without a cgroup) defaults to the wall-clock
   budget. `memory_bytes` caps each process's address space and, with a cgroup, the tree's memory.
+  With `gate` the command is started at once but held (see Gate). `inputs` reach the command as a memfd
+  named by `$COMPOSER_INPUT_FD` (read it, then close it: no path in the sandbox holds them).
   `tree_limits=False` skips the whole-tree meter (cgroup or /proc polling; a v1 cgroup costs tens of ms
   per run in migrations): for fixed commands on the agent's files (`cat`, `find`), never for its code.
   Raises `SandboxUnavailable` when bwrap is missing.
@@ -209,7 +235,7 @@ def run(
     timeout_s, cpu_s, memory_bytes, file_bytes, max_procs, max_output_bytes, max_channel_bytes, tree_limits
   )
   try:
-    return _execute(cmd, spec, limits, prlimit, bwrap_bin, channel)
+    return _execute(cmd, spec, limits, prlimit, bwrap_bin, channel, inputs, gate)
   finally:
     if owner is not None:
       _chown_tree(task_dir, owner.st_uid, owner.st_gid)
@@ -265,10 +291,19 @@ def _close(*fds) -> None:
       os.close(fd)
 
 
-def _execute(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, channel: bool) -> SandboxResult:
+def _execute(
+  cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, channel: bool, inputs, gate
+) -> SandboxResult:
   """Pipes and seccomp fd, the cgroup gate, Popen, drains, wait; every fd is closed exactly once."""
-  seccomp_r = chan_r = chan_w = None
+  seccomp_r = chan_r = chan_w = input_fd = None
   env = dict(spec.env)
+  if inputs is not None:
+    input_fd = os.memfd_create("inputs", 0)
+    os.write(input_fd, inputs)
+    os.lseek(input_fd, 0, os.SEEK_SET)
+    env[INPUT_ENV] = str(input_fd)
+  if gate is not None:
+    env[GATE_ENV] = str(gate.fd)
   if seccomp.supported():
     seccomp_r, w = os.pipe()
     os.write(w, seccomp.program())
@@ -292,7 +327,7 @@ def _execute(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, chann
       stderr=subprocess.PIPE,
       env={},
       start_new_session=True,
-      pass_fds=tuple(fd for fd in (seccomp_r, chan_w) if fd is not None),
+      pass_fds=tuple(fd for fd in (seccomp_r, chan_w, input_fd, gate and gate.fd) if fd is not None),
     )
   except BaseException:
     _close(chan_r)
@@ -300,12 +335,12 @@ def _execute(cmd, spec: _Spec, lim: _Limits, prlimit: str, bwrap_bin: str, chann
       group.close()
     raise
   finally:
-    _close(seccomp_r, chan_w)
+    _close(seccomp_r, chan_w, input_fd, gate and gate.fd)
   drains = [_Drain(proc.stdout, lim.max_output_bytes), _Drain(proc.stderr, lim.max_output_bytes)]
   if chan_r is not None:
     drains.append(_Drain(os.fdopen(chan_r, "rb", buffering=0), lim.max_channel_bytes))
   try:
-    state, rusage, tree = _wait(proc, group, lim)
+    state, rusage, tree = _wait(proc, group, lim, gate)
   finally:
     if group is not None:
       group.kill()
@@ -328,11 +363,14 @@ def _result(proc, group, tree, state, rusage, drains, wall_s: float, cpu_s: int)
   stdout, t1 = drains[0].text()
   stderr, t2 = drains[1].text()
   channel = drains[2].data() if len(drains) > 2 else b""
+  cut = len(drains) > 2 and drains[2].total > drains[2].kept
   timed_out = state.killed_for == "time"
-  return SandboxResult(proc.returncode, stdout, stderr, timed_out, wall_s, t1 or t2, tree_cpu, limit, channel)
+  return SandboxResult(
+    proc.returncode, stdout, stderr, timed_out, wall_s, t1 or t2, tree_cpu, limit, channel, cut
+  )
 
 
-def _wait(proc: subprocess.Popen, group, lim: _Limits):
+def _wait(proc: subprocess.Popen, group, lim: _Limits, gate: Gate | None = None):
   """Release the gate, block until exit, reap with `wait4`; (watch state, rusage, /proc meter or None).
 
   `Popen.wait(timeout)` polls with sleeps of up to 50 ms, so a watcher thread kills instead.
@@ -348,8 +386,7 @@ def _wait(proc: subprocess.Popen, group, lim: _Limits):
       _kill(proc.pid, group)
       raise
   tree = cgroups.ProcTree(proc.pid) if group is None and lim.tree else None
-  deadline = time.monotonic() + lim.timeout_s
-  watcher = threading.Thread(target=_watch, args=(proc, group, tree, deadline, lim, state, lock), daemon=True)
+  watcher = threading.Thread(target=_watch, args=(proc, group, tree, gate, lim, state, lock), daemon=True)
   watcher.start()
   try:
     os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)

@@ -27,7 +27,8 @@ import time
 
 from composer_jax.rl import chat
 from composer_jax.rl.envs import Step
-from composer_jax.synth import baseline, monitor, tasks
+from composer_jax.synth import baseline, monitor, sandbox, tasks
+from composer_jax.synth.grading import internal_error
 
 TOOLS = ("list_files", "read_file", "write_file", "run_tests", "submit")
 _WRITE = (
@@ -136,7 +137,13 @@ class CodingEnv:
     return Step(self._run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *a], copy_in=True), False)
 
   def reward(self) -> float:
+    """The grade's reward; an error in grading is reward 0 with a named flag in `self.grade`, never raised."""
     if self._reward is None:
-      self.grade = tasks.grade(self.task, self.work, actions=self.actions, timeout_s=self.cfg.grade_timeout_s)
-      self._reward = float(self.grade.reward)
+      try:
+        g = tasks.grade(self.task, self.work, actions=self.actions, timeout_s=self.cfg.grade_timeout_s)
+      except sandbox.SandboxUnavailable:
+        raise
+      except Exception as err:  # noqa: BLE001 (grade is total already; this keeps a training loop alive regardless)
+        g = tasks.Grade(0.0, (), (*self.task.fail_to_pass, *self.task.pass_to_pass), (internal_error(err),))
+      self.grade, self._reward = g, float(g.reward)
     return self._reward
