@@ -138,6 +138,7 @@ def side(record: dict, hlo: str, config: configs.Config) -> dict:
     "unknown_trip_counts": est["unknown_trip_counts"],
     "compile_seconds": record["compile_seconds"],
     "versions": record["versions"],
+    "breakdown": estimate.breakdown(hlo, record["device_kind"]),
   }
 
 

@@ -21,7 +21,7 @@ _LOOP = """HloModule m
   %zero = s32[] constant(0)
   %w3 = f32[1,32,32]{2,1,0} dynamic-slice(%ws, %i, %zero, %zero), dynamic_slice_sizes={1,32,32}
   %w = f32[32,32]{1,0} bitcast(%w3)
-  %y = f32[64,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %y = f32[64,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="f/transpose(jvp())/dot"}
   %one = s32[] constant(1)
   %next = s32[] add(%i, %one)
   ROOT %t = (s32[], f32[64,32]{1,0}, f32[5,32,32]{2,1,0}) tuple(%next, %y, %ws)
@@ -44,7 +44,7 @@ ENTRY %main (a: f32[64,32], b: f32[5,32,32]) -> f32[64,32] {
   %out = f32[64,32]{1,0} get-tuple-element(%loop), index=1
   ROOT %ag = f32[64,32]{1,0} all-reduce(%out), replica_groups={}, to_apply=%cond
 }
-"""
+"""  # noqa: E501
 
 
 def _module(start: int = 0, limit: int = 5, config: str = "") -> str:
@@ -90,3 +90,19 @@ def test_estimate_scales_xla_figures_and_falls_back_on_negative_seconds():
   assert est["seconds_source"] == "xla_optimal_seconds" and 1 < est["correction"]["seconds"] < 5
   bad = estimate.estimate(_module(), cost | {"optimal_seconds": -9.99}, "TPU v5")
   assert bad["seconds_source"] == "roofline" and bad["step_seconds"] == pytest.approx(w.weighted.seconds)
+
+
+def test_breakdown_sums_to_the_weighted_roofline_by_phase():
+  text = _module()
+  out = estimate.breakdown(text, "TPU v5", top=3)
+  w = estimate.walk(text, "TPU v5")
+  assert (
+    sum(out["phases"].values()) == pytest.approx(w.weighted.seconds) == pytest.approx(out["roofline_seconds"])
+  )
+  assert set(out["phases"]) == {
+    "backward compute",
+    "rest compute (optimizer, loss, copies)",
+    "rest collective (optimizer, loss, copies)",
+  }
+  dot = out["top"][0] if out["top"][0]["op"].startswith("dot") else out["top"][1]
+  assert dot["op"] == "dot transpose(jvp())/dot" and dot["flops"] == 5 * 2 * 64 * 32 * 32

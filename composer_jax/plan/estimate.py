@@ -312,6 +312,7 @@ class _Walk:
   peak: float
   bandwidth: float
   scopes: dict[str, re.Pattern]
+  record: list[tuple] | None = None  # (weighted seconds, weight, opcode, name, op_name) per instruction
   once: Totals = dataclasses.field(default_factory=Totals)
   weighted: Totals = dataclasses.field(default_factory=Totals)
   loops: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -332,6 +333,10 @@ class _Walk:
     seconds = max(flops / self.peak, size / self.bandwidth)
     coll = _collective_bytes(ins)
     op_name = _OP_NAME.search(ins.attrs)
+    if self.record is not None:
+      self.record.append(
+        (weight * seconds, weight * flops, weight, ins.opcode, op_name.group(1) if op_name else "")
+      )
     for totals, w in ((self.once, 1.0), (self.weighted, weight)):
       totals.flops += w * flops
       totals.bytes += w * size
@@ -370,6 +375,41 @@ def walk(hlo_text: str, device_kind: str, scopes: dict[str, str] | None = None) 
   w = _Walk(comps, table, peak, bandwidth, patterns)
   w.visit(entry, 1.0)
   return w
+
+
+def _phase(opcode: str, op_name: str) -> str:
+  kind = "collective" if _COLLECTIVE.match(opcode) else "compute"
+  if "transpose(jvp" in op_name:
+    return f"backward {kind}"
+  if "jvp(" in op_name:
+    return f"forward {kind}"
+  return f"rest {kind} (optimizer, loss, copies)"
+
+
+def breakdown(hlo_text: str, device_kind: str, top: int = 12) -> dict[str, Any]:
+  """Where the weighted roofline time goes: seconds by phase (forward, backward from JAX's jvp /
+  transpose(jvp) op names, the rest: optimizer, loss, copies) × compute or collective, and the `top`
+  op names (numbers stripped) by seconds with their FLOPs: what to read first in the HLO."""
+  comps, entry = parse_module(hlo_text)
+  table = {ins.name: ins for body in comps.values() for ins in body}
+  peak, bandwidth = PEAK_FLOPS.get(device_kind, 459e12), HBM_BANDWIDTH.get(device_kind, 2.765e12)
+  w = _Walk(comps, table, peak, bandwidth, {}, record=[])
+  w.visit(entry, 1.0)
+  phases: dict[str, float] = {}
+  ops: dict[str, list[float]] = {}
+  for seconds, flops, _, opcode, op_name in w.record:
+    phase = _phase(opcode, op_name)
+    phases[phase] = phases.get(phase, 0.0) + seconds
+    key = f"{opcode} {re.sub(r'[0-9]+', '', op_name.split('/', 1)[-1])[-120:]}"
+    entry_ = ops.setdefault(key, [0.0, 0.0])
+    entry_[0] += seconds
+    entry_[1] += flops
+  ranked = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
+  return {
+    "roofline_seconds": w.weighted.seconds,
+    "phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+    "top": [{"op": k, "seconds": v[0], "flops": v[1]} for k, v in ranked],
+  }
 
 
 def _ratio(weighted: float, once: float) -> float:
