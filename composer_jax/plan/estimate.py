@@ -366,13 +366,16 @@ class _Walk:
           self.visit(branch, weight)
 
 
-def walk(hlo_text: str, device_kind: str, scopes: dict[str, str] | None = None) -> _Walk:
-  """Both roofline sums of a module (each computation once; weighted by loop trip counts)."""
+def walk(
+  hlo_text: str, device_kind: str, scopes: dict[str, str] | None = None, record: bool = False
+) -> _Walk:
+  """Both roofline sums of a module (each computation once; weighted by loop trip counts); `record`
+  keeps each instruction's weighted figures in `.record`."""
   comps, entry = parse_module(hlo_text)
   table = {ins.name: ins for body in comps.values() for ins in body}
   peak, bandwidth = PEAK_FLOPS.get(device_kind, 459e12), HBM_BANDWIDTH.get(device_kind, 2.765e12)
   patterns = {k: re.compile(v) for k, v in (scopes or {}).items()}
-  w = _Walk(comps, table, peak, bandwidth, patterns)
+  w = _Walk(comps, table, peak, bandwidth, patterns, record=[] if record else None)
   w.visit(entry, 1.0)
   return w
 
@@ -390,11 +393,7 @@ def breakdown(hlo_text: str, device_kind: str, top: int = 12) -> dict[str, Any]:
   """Where the weighted roofline time goes: seconds by phase (forward, backward from JAX's jvp /
   transpose(jvp) op names, the rest: optimizer, loss, copies) × compute or collective, and the `top`
   op names (numbers stripped) by seconds with their FLOPs: what to read first in the HLO."""
-  comps, entry = parse_module(hlo_text)
-  table = {ins.name: ins for body in comps.values() for ins in body}
-  peak, bandwidth = PEAK_FLOPS.get(device_kind, 459e12), HBM_BANDWIDTH.get(device_kind, 2.765e12)
-  w = _Walk(comps, table, peak, bandwidth, {}, record=[])
-  w.visit(entry, 1.0)
+  w = walk(hlo_text, device_kind, record=True)
   phases: dict[str, float] = {}
   ops: dict[str, list[float]] = {}
   for seconds, flops, _, opcode, op_name in w.record:
