@@ -129,10 +129,6 @@ def shape_bytes(shape: str) -> int:
   return sum(b * math.prod(d) for b, d in _dims(shape))
 
 
-def _elements(shape: str) -> int:
-  return sum(math.prod(d) for _, d in _dims(shape))
-
-
 def _shape(table: dict[str, Instr], name: str) -> str:
   return table[name].shape if name in table else ""
 
@@ -197,10 +193,10 @@ def _contracted(ins: Instr, table: dict[str, Instr]) -> int:
 
 def _flops(ins: Instr, table: dict[str, Instr]) -> float:
   if ins.opcode in ("dot", "convolution", "ragged-dot"):
-    return 2.0 * _elements(ins.shape) * _contracted(ins, table)
+    return 2.0 * sum(math.prod(d) for _, d in _dims(ins.shape)) * _contracted(ins, table)
   if ins.opcode in _NO_FLOPS or _COLLECTIVE.match(ins.opcode) or ins.opcode.endswith(("-start", "-done")):
     return 0.0
-  return float(_elements(ins.shape))
+  return float(sum(math.prod(d) for _, d in _dims(ins.shape)))
 
 
 def _collective_bytes(ins: Instr) -> tuple[str, int] | None:
@@ -295,8 +291,7 @@ def _io_bytes(ins: Instr, comps: dict[str, list[Instr]], table: dict[str, Instr]
 
 @dataclasses.dataclass
 class Totals:
-  """Roofline sums of a module: FLOPs, HBM bytes, seconds, collective result bytes by kind, seconds in
-  ops whose op_name matches each scope."""
+  """Roofline sums: FLOPs, HBM bytes, seconds, collective result bytes by kind, seconds by op_name scope."""
 
   flops: float = 0.0
   bytes: float = 0.0
