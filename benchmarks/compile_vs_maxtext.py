@@ -77,14 +77,14 @@ def _config(variant: str, topology: str) -> configs.Config:
   )
 
 
-def compile_ours(config: configs.Config, out: pathlib.Path) -> dict:
+def compile_ours(config: configs.Config, out: pathlib.Path, tag: str = "") -> dict:
   """Our train step compiled on the topology: the compile stage's analysis, HLO saved."""
   devices = compile_stage.topology_devices(config.compile.topology)
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
   t0, cpu0 = time.perf_counter(), time.process_time()
   compiled = compile_stage.lower_train_step(config, meshes).compile()
   record = {"compile_seconds": time.perf_counter() - t0, "compile_cpu_seconds": time.process_time() - cpu0}
-  (out / "ours.hlo.txt").write_text(compiled.as_text())
+  (out / f"ours{tag}.hlo.txt").write_text(compiled.as_text())
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
   mem = compiled.memory_analysis()
@@ -93,7 +93,7 @@ def compile_ours(config: configs.Config, out: pathlib.Path) -> dict:
   record |= {"versions": versions, "devices": len(devices), "device_kind": devices[0].device_kind}
   record["cost_analysis"] = {k: float(v) for k, v in cost.items() if isinstance(v, int | float)}
   record["memory"] = {k.removesuffix("_size_in_bytes"): int(getattr(mem, k)) for k in fields}
-  (out / "ours.json").write_text(json.dumps(record, indent=1))
+  (out / f"ours{tag}.json").write_text(json.dumps(record, indent=1))
   return record
 
 
@@ -130,6 +130,9 @@ def side(record: dict, hlo: str, config: configs.Config) -> dict:
     "step_seconds": seconds,
     "seconds_source": est["seconds_source"],
     "mfu": model / (est["peak_flops"] * seconds),
+    # The same per-op roofline walk on both sides: comparable even where XLA's optimal_seconds is invalid.
+    "roofline_seconds": est["roofline_seconds"],
+    "mfu_roofline": model / (est["peak_flops"] * est["roofline_seconds"]),
     "peak_bytes": mem["argument"] + mem["temp"] + mem["output"] - mem["alias"],
     "temp_bytes": mem["temp"],
     "collective_bytes": est["collective_bytes"],
@@ -148,8 +151,10 @@ _ROWS = (
   ("model TFLOP / device (6 N_active T + attn)", "model_flops", 1e-12, "{:.1f}"),
   ("compiled / model FLOPs", "compiled_over_model_flops", 1, "{:.3f}"),
   ("XLA raw optimal_seconds (s)", "xla_raw_optimal_seconds", 1, "{:.3f}"),
-  ("estimated step time (s)", "step_seconds", 1, "{:.3f}"),
-  ("estimated MFU (v5p bf16 459 TFLOP/s)", "mfu", 100, "{:.1f} %"),
+  ("estimated step time (s), XLA x loop ratio or roofline", "step_seconds", 1, "{:.3f}"),
+  ("estimated MFU, same source (v5p bf16 459 TFLOP/s)", "mfu", 100, "{:.1f} %"),
+  ("roofline step time (s), same walk both sides", "roofline_seconds", 1, "{:.3f}"),
+  ("roofline MFU", "mfu_roofline", 100, "{:.1f} %"),
   ("peak memory / chip (GiB)", "peak_bytes", 2**-30, "{:.2f}"),
   ("temp / chip (GiB)", "temp_bytes", 2**-30, "{:.2f}"),
   ("Muon update, named scopes (s)", "muon_seconds", 1, "{:.3f}"),
@@ -179,25 +184,33 @@ def main() -> None:
   p.add_argument("--maxtext_python", default=None, help="python of a venv with maxtext[tpu]")
   p.add_argument("--skip_ours", action="store_true", help="reuse <out>/ours.json and ours.hlo.txt")
   p.add_argument("--skip_maxtext", action="store_true", help="reuse <out>/maxtext/")
+  p.add_argument(
+    "--capacity_factor", type=float, default=None, help="our model.capacity_factor (EP buffers; default 2)"
+  )
   args = p.parse_args()
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   config = _config(args.variant, args.topology)
+  tag = ""
+  if args.capacity_factor is not None:  # item 3: the EP buffers' share of our step (RESULTS.md)
+    model = dataclasses.replace(config.model, capacity_factor=args.capacity_factor)
+    config, tag = dataclasses.replace(config, model=model), f"_cf{args.capacity_factor:g}"
   if not args.skip_maxtext:
     if not args.maxtext_python:
       p.error("--maxtext_python is needed unless --skip_maxtext")
     compile_maxtext(args.maxtext_python, config, out)
   if not args.skip_ours:
-    compile_ours(config, out)
+    compile_ours(config, out, tag)
   sides = {}
   for name, record, hlo in (
-    ("ours", "ours.json", "ours.hlo.txt"),
+    ("ours", f"ours{tag}.json", f"ours{tag}.hlo.txt"),
     ("maxtext", "maxtext/maxtext.json", "maxtext/maxtext.hlo.txt"),
   ):
     sides[name] = side(json.loads((out / record).read_text()), (out / hlo).read_text(), config)
   result = {"variant": args.variant, "topology": args.topology, "maxtext_overrides": MOONLIGHT_OVERRIDES}
   result |= sides | {"table": table(sides["ours"], sides["maxtext"])}
-  (out / "compile_vs_maxtext.json").write_text(json.dumps(result, indent=1))
+  result["capacity_factor"] = config.model.capacity_factor
+  (out / f"compile_vs_maxtext{tag}.json").write_text(json.dumps(result, indent=1))
   print(result["table"])
   print(
     json.dumps(
