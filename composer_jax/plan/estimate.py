@@ -11,8 +11,11 @@ The correction here reads the optimized HLO text (`compiled.as_text()`), where e
    JAX emits for `scan`/`fori_loop` — a condition `compare(get-tuple-element(p, i), constant(N)),
    direction=LT` with element `i` of the initial tuple a constant `K` (through copies) and a step of 1 —
    gives N − K. A loop matching neither counts once and is listed under `unknown_trip_counts`.
-2. A per-instruction roofline of our own over the whole module: FLOPs of `dot`, `convolution` and
-   `ragged-dot` (2 × output elements × contracted size; one per output element for arithmetic ops), HBM
+2. A per-instruction roofline of our own over the whole module: FLOPs of `dot`, `convolution` (valid
+   window taps only: XLA:TPU writes batched matmuls as convolutions over a dilated or padded window),
+   `ragged-dot` and grouped-matmul Mosaic kernels (MaxText's gmm/tgmm, XLA:TPU's ragged-dot kernel, from
+   their operand shapes; other kernels such as splash attention count by bytes only, the text carries no
+   kernel cost) — 2 × output elements × contracted size; one per output element for arithmetic ops —, HBM
    bytes of each unfused instruction or fusion (operands + result), time max(FLOPs / peak, bytes / HBM
    bandwidth). It is summed twice: each computation once (what XLA does) and each weighted by the product
    of the trip counts of the loops around it.
@@ -40,15 +43,12 @@ from typing import Any
 
 import numpy as np
 
+from composer_jax.plan import hlo
+
 # bf16 dense FLOP/s and HBM bytes/s per chip by `device_kind` (Google Cloud TPU system architecture pages).
 PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5": 459e12, "TPU v5 lite": 197e12, "TPU v6 lite": 918e12}
 HBM_BANDWIDTH = {"TPU v4": 1.228e12, "TPU v5": 2.765e12, "TPU v5 lite": 0.819e12, "TPU v6 lite": 1.64e12}
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
-_BYTES |= {"f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
-_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
 _CALLS = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OPERAND = re.compile(r"%([\w.\-]+)")
@@ -66,78 +66,6 @@ _NO_BYTES = frozenset("parameter constant get-tuple-element tuple bitcast while 
 _NO_BYTES |= frozenset("after-all partition-id replica-id opt-barrier".split())
 
 
-@dataclasses.dataclass
-class Instr:
-  name: str
-  shape: str  # the result shape text
-  opcode: str
-  operands: list[str]
-  args: str  # the text inside the operand parentheses (a constant's value)
-  attrs: str  # everything after the operand list
-  root: bool = False
-
-
-def _closing(text: str, depth: int) -> int:
-  """Index of the parenthesis that brings `depth` open ones to zero (len(text) if none)."""
-  for i, ch in enumerate(text):
-    depth += {"(": 1, ")": -1}.get(ch, 0)
-    if depth == 0:
-      return i
-  return len(text)
-
-
-def _split_instruction(line: str) -> Instr | None:
-  """One HLO instruction line → (name, result shape, opcode, operand names, attributes)."""
-  found = _NAME.match(line)
-  if not found:
-    return None
-  root = line.lstrip().startswith("ROOT ")
-  rest = line[found.end() :]
-  if rest.startswith("("):  # a tuple shape: up to its matching parenthesis
-    end = _closing(rest, 0)
-    shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
-  else:
-    shape, _, rest = rest.partition(" ")
-  opcode, _, rest = rest.partition("(")
-  end = _closing(rest, 1)
-  args = rest[:end]
-  return Instr(found.group(1), shape, opcode.strip(), _OPERAND.findall(args), args, rest[end + 1 :], root)
-
-
-def parse_module(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
-  """{computation name: its instructions} of an HLO module's text, and the entry computation's name."""
-  comps: dict[str, list[Instr]] = {}
-  entry, current = "", None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and "=" not in line.split("(")[0]:
-      current = comps.setdefault(header.group(1), [])
-      entry = header.group(1) if line.startswith("ENTRY") else entry
-    elif line.strip() == "}":
-      current = None
-    elif current is not None and (instr := _split_instruction(line)):
-      current.append(instr)
-  return comps, entry
-
-
-def _dims(shape: str) -> list[tuple[int, list[int]]]:
-  """(bytes per element, dims) of each array in a shape text (a tuple gives several)."""
-  return [(_BYTES[t], [int(d) for d in dims.split(",") if d]) for t, dims in _ARRAY.findall(shape)]
-
-
-def shape_bytes(shape: str) -> int:
-  return sum(b * math.prod(d) for b, d in _dims(shape))
-
-
-def _shape(table: dict[str, Instr], name: str) -> str:
-  return table[name].shape if name in table else ""
-
-
-def _int_set(attrs: str, key: str) -> list[int]:
-  found = re.search(key + r"=\{([\d,]*)\}", attrs)
-  return [int(x) for x in found.group(1).split(",") if x] if found else []
-
-
 @functools.lru_cache(maxsize=4096)
 def _valid_taps(in_size: int, out_size: int, size: int, stride: int, pad: int, lhs: int, rhs: int) -> float:
   """Mean window taps per output position of one spatial dimension that meet an input element (not
@@ -149,7 +77,7 @@ def _valid_taps(in_size: int, out_size: int, size: int, stride: int, pad: int, l
   return float(valid.sum()) / max(out_size, 1)
 
 
-def _window_taps(ins: Instr, labels: tuple[str, str, str], table: dict[str, Instr]) -> float:
+def _window_taps(ins: hlo.Instr, labels: tuple[str, str, str], table: dict[str, hlo.Instr]) -> float:
   """Valid taps per output element over all spatial dimensions. XLA:TPU writes batched matmuls as
   convolutions whose window spans the batch (e.g. size=B, lhs_dilate=B, or padding B-1 on both sides),
   so the window's size alone overcounts by the batch."""
@@ -165,8 +93,8 @@ def _window_taps(ins: Instr, labels: tuple[str, str, str], table: dict[str, Inst
 
   stride, lhs, rhs = ([int(x) for x in per_dim(k, "1")] for k in ("stride", "lhs_dilate", "rhs_dilate"))
   pad = [int(x.split("_")[0]) for x in per_dim("pad", "0_0")]
-  lhs_dims = [d for _, d in _dims(_shape(table, ins.operands[0]))][0]
-  out_dims = [d for _, d in _dims(ins.shape)][0]
+  lhs_dims = [d for _, d in hlo.dims(hlo.shape_of(table, ins.operands[0]))][0]
+  out_dims = [d for _, d in hlo.dims(ins.shape)][0]
   taps = 1.0
   for i in range(n):
     in_size, out_size = lhs_dims[labels[0].index(str(i))], out_dims[labels[2].index(str(i))]
@@ -174,16 +102,16 @@ def _window_taps(ins: Instr, labels: tuple[str, str, str], table: dict[str, Inst
   return taps
 
 
-def _contracted(ins: Instr, table: dict[str, Instr]) -> int:
+def _contracted(ins: hlo.Instr, table: dict[str, hlo.Instr]) -> int:
   """Contracted size per output element of a dot, convolution or ragged-dot (1 for anything else)."""
-  operand = [d for _, d in _dims(_shape(table, ins.operands[0]))] if ins.operands else []
+  operand = [d for _, d in hlo.dims(hlo.shape_of(table, ins.operands[0]))] if ins.operands else []
   if ins.opcode == "dot" and operand:
-    return math.prod(operand[0][i] for i in _int_set(ins.attrs, "lhs_contracting_dims"))
+    return math.prod(operand[0][i] for i in hlo.int_set(ins.attrs, "lhs_contracting_dims"))
   if ins.opcode == "ragged-dot" and operand:
-    dims = _int_set(ins.attrs, "lhs_contracting_dims") or [len(operand[0]) - 1]
+    dims = hlo.int_set(ins.attrs, "lhs_contracting_dims") or [len(operand[0]) - 1]
     return math.prod(operand[0][i] for i in dims)
   if ins.opcode == "convolution" and len(ins.operands) > 1:
-    kernel = [d for _, d in _dims(_shape(table, ins.operands[1]))]
+    kernel = [d for _, d in hlo.dims(hlo.shape_of(table, ins.operands[1]))]
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
     if kernel and labels:  # the kernel's input features times the window taps that meet real input
       features = math.prod(n for c, n in zip(labels.group(2), kernel[0], strict=False) if c == "i")
@@ -191,24 +119,41 @@ def _contracted(ins: Instr, table: dict[str, Instr]) -> int:
   return 1
 
 
-def _flops(ins: Instr, table: dict[str, Instr]) -> float:
+def _kernel_flops(ins: hlo.Instr, table: dict[str, hlo.Instr]) -> float:
+  """A grouped-matmul Mosaic kernel (named gmm/tgmm: MaxText's megablox; ragged-dot: XLA:TPU's kernel),
+  after its scalar-prefetch operands an lhs [M, K] → out [M, N] (or a weight gradient [G, K, N]):
+  2·M·K·N. Other kernels (splash attention): 0, bytes only (the HLO text carries no kernel cost)."""
+  out = [d for _, d in hlo.dims(ins.shape)]
+  if not re.search(r"gmm|ragged-dot", ins.name) or len(out) != 1 or len(out[0]) not in (2, 3):
+    return 0.0
+  mats = [d for name in ins.operands for _, d in hlo.dims(hlo.shape_of(table, name)) if len(d) == 2]
+  if len(out[0]) == 2:
+    k = next((m[1] for m in mats if m[0] == out[0][0]), 0)
+    return 2.0 * out[0][0] * out[0][1] * k
+  rows = next((m[0] * m[1] // out[0][1] for m in mats if out[0][1] in m), 0)
+  return 2.0 * rows * out[0][1] * out[0][2]
+
+
+def _flops(ins: hlo.Instr, table: dict[str, hlo.Instr]) -> float:
+  if ins.opcode == "custom-call":
+    return _kernel_flops(ins, table)
   if ins.opcode in ("dot", "convolution", "ragged-dot"):
-    return 2.0 * sum(math.prod(d) for _, d in _dims(ins.shape)) * _contracted(ins, table)
+    return 2.0 * sum(math.prod(d) for _, d in hlo.dims(ins.shape)) * _contracted(ins, table)
   if ins.opcode in _NO_FLOPS or _COLLECTIVE.match(ins.opcode) or ins.opcode.endswith(("-start", "-done")):
     return 0.0
-  return float(sum(math.prod(d) for _, d in _dims(ins.shape)))
+  return float(sum(math.prod(d) for _, d in hlo.dims(ins.shape)))
 
 
-def _collective_bytes(ins: Instr) -> tuple[str, int] | None:
+def _collective_bytes(ins: hlo.Instr) -> tuple[str, int] | None:
   """(kind, result bytes) of a collective; an async `-start`'s tuple result counts its largest array."""
   found = _COLLECTIVE.match(ins.opcode)
   if not found or ins.opcode.endswith("-done"):
     return None
-  arrays = [b * math.prod(d) for b, d in _dims(ins.shape)]
+  arrays = [b * math.prod(d) for b, d in hlo.dims(ins.shape)]
   return found.group(1), max(arrays, default=0)
 
 
-def _constant(table: dict[str, Instr], name: str) -> int | None:
+def _constant(table: dict[str, hlo.Instr], name: str) -> int | None:
   """The integer value of instruction `name` if it is a scalar constant, looking through copies."""
   ins = table.get(name)
   while ins is not None and ins.opcode == "copy" and ins.operands:
@@ -218,7 +163,7 @@ def _constant(table: dict[str, Instr], name: str) -> int | None:
   return int(ins.args)
 
 
-def trip_count(ins: Instr, comps: dict[str, list[Instr]], table: dict[str, Instr]) -> int | None:
+def trip_count(ins: hlo.Instr, comps: dict[str, list[hlo.Instr]], table: dict[str, hlo.Instr]) -> int | None:
   """A `while`'s trip count: XLA's `known_trip_count`, else JAX's counted-loop pattern (docstring)."""
   if found := _TRIP.search(ins.attrs):
     return int(found.group(1))
@@ -241,12 +186,12 @@ _SLICES = frozenset(("dynamic-slice", "slice", "gather"))
 
 
 def _param_bytes(
-  fused: list[Instr], comps: dict[str, list[Instr]], table: dict[str, Instr]
+  fused: list[hlo.Instr], comps: dict[str, list[hlo.Instr]], table: dict[str, hlo.Instr]
 ) -> dict[int, int]:
   """Bytes a fusion reads of each operand: a parameter only sliced inside (a layer of a scanned weight
   stack, also through nested fusions) reads its slices; the buffer a dynamic-update-slice writes into in
   place reads the update; any other use reads it whole."""
-  users: dict[str, list[tuple[Instr, int]]] = {}
+  users: dict[str, list[tuple[hlo.Instr, int]]] = {}
   for ins in fused:
     for k, name in enumerate(ins.operands):
       users.setdefault(name, []).append((ins, k))
@@ -254,12 +199,12 @@ def _param_bytes(
   for ins in fused:
     if ins.opcode != "parameter":
       continue
-    whole, size = shape_bytes(ins.shape), 0
+    whole, size = hlo.shape_bytes(ins.shape), 0
     for user, k in users.get(ins.name, []):
       if user.opcode in _SLICES and k == 0:
-        size += shape_bytes(user.shape)
+        size += hlo.shape_bytes(user.shape)
       elif user.opcode == "dynamic-update-slice" and k == 0:
-        size += shape_bytes(_shape(table, user.operands[1]))
+        size += hlo.shape_bytes(hlo.shape_of(table, user.operands[1]))
       elif user.opcode == "fusion":
         inner = comps.get(dict(_CALLS.findall(user.attrs)).get("calls", ""), [])
         size += _param_bytes(inner, comps, table).get(k, whole)
@@ -269,23 +214,23 @@ def _param_bytes(
   return out
 
 
-def _io_bytes(ins: Instr, comps: dict[str, list[Instr]], table: dict[str, Instr]) -> int:
+def _io_bytes(ins: hlo.Instr, comps: dict[str, list[hlo.Instr]], table: dict[str, hlo.Instr]) -> int:
   """HBM bytes an unfused instruction or a fusion reads and writes."""
   if ins.opcode in _NO_BYTES or ins.opcode.endswith("-done"):
     return 0
   if ins.opcode in _SLICES:
-    return 2 * shape_bytes(ins.shape)
+    return 2 * hlo.shape_bytes(ins.shape)
   if ins.opcode == "dynamic-update-slice":
-    return 2 * shape_bytes(_shape(table, ins.operands[1]))
-  result = shape_bytes(ins.shape)
-  reads = [shape_bytes(_shape(table, n)) for n in ins.operands]
+    return 2 * hlo.shape_bytes(hlo.shape_of(table, ins.operands[1]))
+  result = hlo.shape_bytes(ins.shape)
+  reads = [hlo.shape_bytes(hlo.shape_of(table, n)) for n in ins.operands]
   if ins.opcode == "fusion":
     fused = comps.get(dict(_CALLS.findall(ins.attrs)).get("calls", ""), [])
     per_param = _param_bytes(fused, comps, table)
     reads = [per_param.get(i, r) for i, r in enumerate(reads)]
     root = next((i for i in fused if i.root), None)
     if root is not None and root.opcode == "dynamic-update-slice":
-      result = shape_bytes(_shape(table, root.operands[1]))
+      result = hlo.shape_bytes(hlo.shape_of(table, root.operands[1]))
   return result + sum(reads)
 
 
@@ -302,8 +247,8 @@ class Totals:
 
 @dataclasses.dataclass
 class _Walk:
-  comps: dict[str, list[Instr]]
-  table: dict[str, Instr]
+  comps: dict[str, list[hlo.Instr]]
+  table: dict[str, hlo.Instr]
   peak: float
   bandwidth: float
   scopes: dict[str, re.Pattern]
@@ -320,7 +265,7 @@ class _Walk:
         total += self.fused_flops(dict(_CALLS.findall(ins.attrs)).get("calls", ""))
     return total
 
-  def add(self, ins: Instr, weight: float) -> None:
+  def add(self, ins: hlo.Instr, weight: float) -> None:
     flops = _flops(ins, self.table)
     if ins.opcode == "fusion":
       flops += self.fused_flops(dict(_CALLS.findall(ins.attrs)).get("calls", ""))
@@ -366,7 +311,7 @@ def walk(
 ) -> _Walk:
   """Both roofline sums of a module (each computation once; weighted by loop trip counts); `record`
   keeps each instruction's weighted figures in `.record`."""
-  comps, entry = parse_module(hlo_text)
+  comps, entry = hlo.parse_module(hlo_text)
   table = {ins.name: ins for body in comps.values() for ins in body}
   peak, bandwidth = PEAK_FLOPS.get(device_kind, 459e12), HBM_BANDWIDTH.get(device_kind, 2.765e12)
   patterns = {k: re.compile(v) for k, v in (scopes or {}).items()}
