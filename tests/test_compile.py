@@ -217,3 +217,25 @@ def test_scanned_loop_estimate_matches_the_unrolled_one():
   print(json.dumps({"scanned": s["xla_raw"] | {"step_seconds": s["step_seconds"]}, "unrolled": u["xla_raw"]}))
   assert abs(s["flops"] / u["flops"] - 1) <= 0.02, (s["flops"], u["flops"])
   assert abs(s["step_seconds"] / u["step_seconds"] - 1) <= 0.10, (s["step_seconds"], u["step_seconds"])
+
+
+def test_stage_summary_carries_the_estimate(tmp_path):
+  """The compile stage's summary and its report lines show the estimated step time, MFU and Muon time
+  from compile.json's `estimate` (and leave them out when XLA refused the program)."""
+  from composer_jax.stages import compile as stage
+
+  result = {"topology": "v5p:4x4x4", "devices": 64, "compile_seconds": 10.0, "fits": True}
+  result |= {"flops_per_device": 3e14, "memory": {"peak": 2**34}}
+  result["estimate"] = {"step_seconds": 1.5, "mfu": 0.41, "muon_seconds": 0.02}
+  summary = stage.STAGE.summarize(result, tmp_path)
+  assert (summary["step_seconds_estimate"], summary["mfu_estimate"], summary["muon_seconds_estimate"]) == (
+    1.5,
+    0.41,
+    0.02,
+  )
+  lines = stage.STAGE.lines(summary)
+  assert (
+    "estimated step 1500.0 ms" in lines[1] and "MFU 41.0%" in lines[1] and "Muon update 20.0 ms" in lines[1]
+  )
+  refused = stage.STAGE.summarize({k: v for k, v in result.items() if k != "estimate"}, tmp_path)
+  assert len(stage.STAGE.lines(refused)) == 1
