@@ -2,7 +2,7 @@
 
   <maxtext venv>/bin/python benchmarks/_maxtext_compile.py OUT_DIR key=value ...
 
-MaxText (PyPI `maxtext[tpu]`) needs Python >= 3.12 and its own jax/libtpu, so it runs in a separate venv
+MaxText (`maxtext[tpu]`) needs Python >= 3.12 and its own jax/libtpu, so it runs in a separate venv
 and process; this file imports nothing from composer_jax. It calls MaxText's own entry point
 (`maxtext.trainers.pre_train.train_compile.main` with `configs/base.yml` and the key=value overrides),
 keeps the `Compiled` object its `jit_and_compile` returns, and writes into OUT_DIR:
