@@ -147,7 +147,7 @@ MUON_SCOPES = {"muon": r"muon_group\d+|newton_schulz"}
 def model_flops(cfg: model.ModelConfig, batch: int, seq: int) -> float:
   """Training FLOPs of one step by the usual count: 6 · active params (`pretrain.active_params`) · tokens,
   plus causal attention, 3 (forward + backward) · T²/2 · heads · (qk + v head dims) · 2 per layer and
-  sequence (PaLM appendix B, halved for the causal mask as MaxText counts it)."""
+  sequence (PaLM appendix B, halved for the causal mask)."""
   attention = 3 * seq * seq * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * cfg.n_layers
   return 6.0 * pretrain.active_params(cfg) * batch * seq + float(attention) * batch
 
