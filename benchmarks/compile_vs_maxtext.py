@@ -184,6 +184,7 @@ def main() -> None:
   p.add_argument("--maxtext_python", default=None, help="python of a venv with maxtext[tpu]")
   p.add_argument("--skip_ours", action="store_true", help="reuse <out>/ours.json and ours.hlo.txt")
   p.add_argument("--skip_maxtext", action="store_true", help="reuse <out>/maxtext/")
+  p.add_argument("--tag", default="", help="suffix of our output files (e.g. another jax/libtpu)")
   p.add_argument(
     "--capacity_factor", type=float, default=None, help="our model.capacity_factor (EP buffers; default 2)"
   )
@@ -191,10 +192,10 @@ def main() -> None:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   config = _config(args.variant, args.topology)
-  tag = ""
+  tag = args.tag
   if args.capacity_factor is not None:  # item 3: the EP buffers' share of our step (RESULTS.md)
     model = dataclasses.replace(config.model, capacity_factor=args.capacity_factor)
-    config, tag = dataclasses.replace(config, model=model), f"_cf{args.capacity_factor:g}"
+    config, tag = dataclasses.replace(config, model=model), f"{tag}_cf{args.capacity_factor:g}"
   if not args.skip_maxtext:
     if not args.maxtext_python:
       p.error("--maxtext_python is needed unless --skip_maxtext")
