@@ -6,7 +6,8 @@ the `compile` stage that checks it against the real compiler (XLA:TPU ahead of t
 
 Modules: layout (meshes, parameters and their shards), memory (state, activations), comms
 (collectives, Newton–Schulz work via `optim.group_views`), core (the `Plan`), report (tables),
-compile (AOT compile on an abstract topology, `memory_analysis()` vs the plan).
+compile (AOT compile on an abstract topology, `memory_analysis()` vs the plan), hlo (the optimized HLO
+text as instructions), estimate (XLA's cost model with loop bodies weighted by trip count: step time, MFU).
 """
 
 from composer_jax.plan.comms import collective_bytes, muon_groups, muon_work

@@ -13,7 +13,11 @@ program. Nothing is allocated: the state is `ShapeDtypeStruct`s with the shardin
 `<workdir>/compile.json` holds the topology, devices, compile time, XLA's per-device memory
 (argument, output, alias, temp and peak = argument + temp + output − alias), the planner's prediction
 of the same fields (`Plan.xla`), the chip's HBM, whether it fits, FLOPs per device and the HLO's
-collective ops by name.
+collective ops by name, and under "estimate" the step time by XLA's cost model with every `while` body
+weighted by its trip count (`plan.estimate`: the scanned layers would otherwise count once): corrected
+FLOPs and bytes per device, step seconds, MFU against the model's FLOPs (6 · active params · tokens +
+causal attention), collective bytes by kind and the Muon update's own seconds (ops in its named scopes).
+`flops_per_device` is the corrected figure; XLA's raw one is `estimate.xla_raw.flops`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import configs, model, optim, sharding
-from composer_jax.plan import core, report
+from composer_jax.plan import core, estimate, report
+from composer_jax.train import pretrain
 from composer_jax.train import step as step_lib
 from composer_jax.train.batch import TokenBatch
 from composer_jax.train.state import TrainState
@@ -147,8 +152,23 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   return step.lower(state, rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes)))
 
 
-def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
-  """XLA's per-device memory, FLOPs and collective counts of a compiled step."""
+# Ops of the Muon update carry these named scopes (optim/muon.py): their share of the step's time.
+MUON_SCOPES = {"muon": r"muon_group\d+|newton_schulz"}
+
+
+def model_flops(cfg: model.ModelConfig, batch: int, seq: int) -> float:
+  """Training FLOPs of one step by the usual count: 6 · active params (`pretrain.active_params`) · tokens,
+  plus causal attention, 3 (forward + backward) · T²/2 · heads · (qk + v head dims) · 2 per layer and
+  sequence (PaLM appendix B, halved for the causal mask)."""
+  attention = 3 * seq * seq * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * cfg.n_layers
+  return 6.0 * pretrain.active_params(cfg) * batch * seq + float(attention) * batch
+
+
+def analyse(
+  compiled: jax.stages.Compiled, device_kind: str = "TPU v5", scopes: dict[str, str] | None = None
+) -> dict[str, Any]:
+  """XLA's per-device memory, FLOPs (corrected for loop trip counts), collective counts and the cost
+  model's estimate (`plan.estimate.estimate`) of a compiled step."""
   mem = compiled.memory_analysis()
   out = {
     "argument": int(mem.argument_size_in_bytes),
@@ -159,11 +179,9 @@ def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
   out["peak"] = out["argument"] + out["temp"] + out["output"] - out["alias"]
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
-  return {
-    "memory": out,
-    "flops_per_device": float(cost.get("flops", 0.0)),
-    "collectives": collectives(compiled.as_text()),
-  }
+  hlo = compiled.as_text()
+  est = estimate.estimate(hlo, cost, device_kind, scopes)
+  return {"memory": out, "flops_per_device": est["flops"], "collectives": collectives(hlo), "estimate": est}
 
 
 _OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
@@ -185,6 +203,20 @@ def _compile(lowered: jax.stages.Lowered) -> tuple[Any, dict[str, Any] | None]:
     return None, {"error": message.strip().splitlines()[-1][:300], "temp": temp}
 
 
+def _add_mfu(est: dict[str, Any], config: configs.Config, devices: int) -> None:
+  """Model FLOPs per device and MFU at the estimated step time (the train step only: the RL step's
+  work is not 6 · N · tokens)."""
+  est["muon_seconds"] = est["scope_seconds"].get("muon", 0.0)
+  if config.compile.step != "train":
+    est["model_flops_per_device"] = est["mfu"] = None
+    return
+  per_device = model_flops(config.model, config.train.batch_size, config.train.seq_len) / devices
+  est["model_flops_per_device"] = per_device
+  est["compiled_over_model_flops"] = est["flops"] / per_device
+  seconds = est["step_seconds"]
+  est["mfu"] = per_device / (est["peak_flops"] * seconds) if seconds > 0 else None
+
+
 def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[str, Any]:
   """Lowers and compiles `config.compile.step` on `devices`; the analysis next to the plan's."""
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
@@ -204,8 +236,9 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
   # wall time, and CPU time of all this process's threads (a loaded host stretches the wall time)
   result |= {"compile_seconds": seconds, "compile_cpu_seconds": cpu_seconds}
   if failure is None:
-    result |= analyse(compiled)
+    result |= analyse(compiled, kind, MUON_SCOPES)
     result["fits"] = result["memory"]["peak"] <= hbm if hbm else None
+    _add_mfu(result["estimate"], config, len(devices))
   else:  # XLA's own verdict: too big for the chip; only its temporaries are known
     result |= {"memory": {"temp": failure["temp"]}, "fits": False, "error": failure["error"]}
   result |= {"plan": plan.xla, "hbm_bytes": hbm}

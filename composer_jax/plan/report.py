@@ -107,5 +107,19 @@ def format_compile(result: dict[str, Any]) -> str:
   verdict = "fits" if result["fits"] else "DOES NOT FIT"
   lines.append(f"  HBM {_gib(result['hbm_bytes']).strip()} per chip: {verdict}")
   lines.append(f"  {result['flops_per_device'] / 1e12:.1f} TFLOP per device per step")
+  if est := result.get("estimate"):
+    lines.append("  " + format_estimate(est))
   lines.append("  collectives: " + ", ".join(f"{k} {v}" for k, v in sorted(result["collectives"].items())))
   return "\n".join(lines)
+
+
+def format_estimate(est: dict[str, Any]) -> str:
+  """One line: the cost model's step time (loops weighted by trip count), MFU, the Muon update's time."""
+  mfu = f"MFU {est['mfu']:.1%}" if est.get("mfu") is not None else "MFU n/a"
+  ratio = est.get("compiled_over_model_flops")
+  flops = f", compiled/model FLOPs {ratio:.2f}" if ratio else ""
+  muon = est.get("muon_seconds", 0.0) * 1e3
+  return (
+    f"estimate (XLA cost model, loop bodies x trip counts {est['correction']['seconds']:.1f}): step "
+    f"{est['step_seconds'] * 1e3:.1f} ms, {mfu}, Muon update {muon:.1f} ms{flops}"
+  )

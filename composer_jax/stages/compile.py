@@ -25,9 +25,13 @@ def _check(config: Config) -> None:
 
 def _summarize(s: dict, w: Any) -> dict:
   keys = ("topology", "devices", "compile_seconds", "fits", "flops_per_device")
+  est = s.get("estimate") or {}
   return {k: s.get(k) for k in keys} | {
     "peak_gib": s["memory"]["peak"] / 2**30,
     "file": str(w / "compile.json"),
+    "step_seconds_estimate": est.get("step_seconds"),
+    "mfu_estimate": est.get("mfu"),
+    "muon_seconds_estimate": est.get("muon_seconds"),
   }
 
 
@@ -36,6 +40,16 @@ def _lines(r: dict) -> list[str]:
   return [
     f"  {r['topology']} ({r['devices']} devices): compiled in {r['compile_seconds']:.0f} s, peak "
     f"{r['peak_gib']:.2f} GiB per device, {fits}; {r['file']}"
+  ] + _estimate_line(r)
+
+
+def _estimate_line(r: dict) -> list[str]:
+  if r.get("step_seconds_estimate") is None:
+    return []
+  mfu = r.get("mfu_estimate")
+  return [
+    f"  estimated step {r['step_seconds_estimate'] * 1e3:.1f} ms (XLA cost model, loops x trip counts), "
+    f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}, Muon update {r['muon_seconds_estimate'] * 1e3:.1f} ms"
   ]
 
 
