@@ -1,8 +1,9 @@
 """RL on multi-turn tool rollouts: turn format, sampler, environments, objectives, text feedback.
 
-The data flow, one module each: `rollout` (KV-cache sampler, lockstep over turns) → `batch` (padded
-arrays + the teacher's inputs for flagged turns) → `loss` (objective + targeted feedback) → `step` (the
-jitted, guarded update) → `loop` (`train.loop` with RL hooks). `sft` warms the model up first.
+The data flow, one module each: `engine` (the `Rollout` protocol; the KV-cache sampler) → `rollout`
+(lockstep episodes over turns) → `batch` (the typed `RLBatch` + the teacher's inputs for flagged turns) →
+`loss` (objective + targeted feedback) → `step` (the loss for `train.step.make_step`, the teacher in the
+optimizer state) → `loop` (RL's hooks for `train.loop.fit`). `sft` warms the pretrained model up first.
 
   from composer_jax import rl
   traj = rl.envs.rollout(rl.envs.toy.ToyEnv(), seed, act)           # chat.Trajectory, never raises
@@ -12,15 +13,15 @@ jitted, guarded update) → `loop` (`train.loop` with RL hooks). `sft` warms the
     t = rl.feedback.teacher_inputs(traj, k, hint)                    # teacher = prefix + hint + turn k
   rl.feedback_loss(student_logits, teacher_logits, mask, kind="forward_kl", clip=2.0)   # -> (sum, count)
   rl.policy_loss(logp, old_logp, adv, mask, objective="drgrpo")               # -> (sum, count)
-  rl.sft.fit(...), rl.loop.fit(...)         # SFT warm-up and the RL loop (stages sft, rl)
-  rl.gate.run(params, cfg, rcfg, gcfg)      # does the hinted teacher beat the student? (stage gate)
+  rl.sft.hooks(...), rl.loop.hooks(...)     # SFT's and RL's hooks for train.loop.fit (stages sft, rl)
+  rl.gate.run(params, cfg, rcfg, gcfg, tok, meshes)   # does the hinted teacher beat the student? (gate)
 
 `rl.envs` (stale-docs, toy and coding environments) is a subpackage, imported on use: the coding env
 pulls in synth. `rl.gate` and `rl.stats` (the gate's and the seed comparison's statistics) likewise.
 """
 
 from composer_jax.configs import RLConfig, SFTConfig
-from composer_jax.rl import chat, feedback, sft
+from composer_jax.rl import chat, feedback, sampler, sft
 from composer_jax.rl.chat import ParseError, ToolCall, Trajectory, parse_tool_call, to_arrays
 from composer_jax.rl.divergence import feedback_loss
 from composer_jax.rl.feedback import FeedbackRules, detect, hint_for, teacher_inputs
@@ -41,6 +42,7 @@ __all__ = [
   "hint_for",
   "parse_tool_call",
   "policy_loss",
+  "sampler",
   "sft",
   "teacher_inputs",
   "to_arrays",
