@@ -7,7 +7,7 @@ Sides (same benchmark shape as `model_step.py`: DeepSeek block, d_model 256, 4 M
 MLA without q-LoRA, 8 routed experts top-2 + 1 shared of width 512, vocab 1024, batch 8 × seq 256,
 fp32, ONE CPU device):
   ours Muon   `optim.build_optimizer` with the default `OptimizerConfig` (sharded Muon on matrices,
-              AdamW on the rest), stepped by `train.pretrain.make_train_step` on a 1-device mesh;
+              AdamW on the rest), stepped by `train.step.make_step` on a 1-device mesh;
   ours AdamW  the same step with AdamW on every trainable leaf (same schedule, betas, weight-decay
               mask, clipping; `OptimizerConfig` has no AdamW-only switch, so it is built here);
   MaxText AdamW / MaxText Muon (`opt_type=muon`), run as subprocesses of `--maxtext_python`
@@ -55,11 +55,13 @@ import optax  # noqa: E402
 
 from benchmarks.machine import describe as machine  # noqa: E402
 from benchmarks.model_step import BATCH, BENCH, SEQ  # noqa: E402
-from composer_jax import model, optim, sharding, train  # noqa: E402
+from composer_jax import configs, model, optim, sharding, train  # noqa: E402
 from composer_jax.optim import muon as muon_lib  # noqa: E402
 from composer_jax.optim import newton_schulz  # noqa: E402
 from composer_jax.train import metrics as metrics_lib  # noqa: E402
 from composer_jax.train import pretrain  # noqa: E402
+from composer_jax.train import step as step_lib  # noqa: E402
+from composer_jax.train.batch import TokenBatch, place  # noqa: E402
 
 TOKENS = BATCH * SEQ
 WARMUP = 2
@@ -123,19 +125,17 @@ def optimizer_update_flops(tx, params) -> float:
 
 
 class OursSide:
-  """The pretraining step (`pretrain.make_train_step`), compiled once, state donated every step."""
+  """The pretraining step (`train.step.make_step` with the next-token loss), compiled once, state donated
+  every step."""
 
   def __init__(self, name: str, tx, cfg: model.ModelConfig, ocfg: optim.OptimizerConfig, meshes, batch):
     self.name, self.batch = name, batch
     self.state = train.create_state(cfg, tx, jax.random.key(0), meshes)
-    step = pretrain.make_train_step(
-      cfg,
-      tx,
-      optim.lr_schedule(ocfg),
-      train.state.state_shardings(self.state),
-      meshes,
-      router_bias_rate=pretrain.TrainConfig().router_bias_rate,
-    )
+    step = step_lib.make_step(
+      step_lib.next_token_loss(cfg, meshes), tx, cfg, schedule=optim.lr_schedule(ocfg), meshes=meshes,
+      state_sharding=train.state.state_shardings(self.state),
+      router_bias_rate=configs.TrainConfig().router_bias_rate,
+    )  # fmt: skip
     t0 = time.perf_counter()
     self.step = step.lower(self.state, batch).compile()
     self.compile_s = time.perf_counter() - t0
@@ -303,12 +303,8 @@ def main():
     meshes = single_device_meshes()
     abstract = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, SEQ), dtype=np.int32)
-    batch = {
-      "tokens": tokens,
-      "segment_ids": np.ones((BATCH, SEQ), np.int32),
-      "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy(),
-    }
-    batch = jax.device_put(batch, pretrain.batch_sharding(meshes))
+    positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy()
+    batch = place(TokenBatch(tokens, positions, np.ones((BATCH, SEQ), np.int32)), meshes)
     sides["ours Muon"] = OursSide(
       "ours Muon", optim.build_optimizer(cfg, ocfg, meshes, abstract), cfg, ocfg, meshes, batch
     )

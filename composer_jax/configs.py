@@ -97,7 +97,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """The pretraining loop (`train.pretrain`)."""
+  """The pretraining stage (`stages/pretrain.py`, `train.pretrain`)."""
 
   steps: int = 60  # ~2-4 s/step on 2 CPU cores (tiny, 8 fake devices)
   batch_size: int = 8  # divisible by replica·fsdp

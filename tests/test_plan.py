@@ -1,7 +1,7 @@
 """The scale planner against XLA's compiled memory analysis, hand-computed collectives, mesh derivation.
 
 One compile: the tiny variant's real train step, built by the compile stage's own code
-(`plan.compile.compile_config`: `pretrain.make_train_step` with `optim.build_optimizer`, lowered from
+(`plan.compile.compile_config`: `train.step.make_step` with `optim.build_optimizer`, lowered from
 abstract state) on the 8 CPU devices; the persistent compilation cache makes reruns cheap. The same
 comparison on XLA:TPU is tests/test_compile.py.
 """

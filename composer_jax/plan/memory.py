@@ -27,7 +27,7 @@ def state_memory(params: list[Leaf], grad_accum: int, tpu: bool = False) -> dict
   Optimizer state as `optim.build_optimizer` stores it: sharded Muon keeps one momentum buffer
   (`zeros_like` the param: same dtype, same sharding), optax AdamW two (mu, nu, param dtype), frozen
   leaves none; plus four int32 step counters (Muon, Adam, Adam's schedule, the train state's step).
-  Gradients have the params' dtype and sharding; grad_accum > 1 adds the fp32 sum of `grads_and_aux`.
+  Gradients have the params' dtype and sharding; grad_accum > 1 adds the fp32 sum of `train.step.gradients`.
   """
   out = {m: {"params": 0, "opt_state": 0, "grads": 0, "grad_accum_f32": 0} for m in ("dense", "expert")}
   for p in params:

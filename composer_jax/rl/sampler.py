@@ -12,7 +12,7 @@ slots, V vocab.
 Padding: prompts (and the tokens given to `extend`) are **right-padded**: row b holds
 `lengths[b]` real tokens in columns 0..lengths[b]-1, anything after is padding. The cache has one
 write index shared by the batch, so a call writes all rows at the same slots; padding slots get
-segment id 0 (the project's padding id, see `train.pretrain.next_token_loss`) and real tokens
+segment id 0 (the project's padding id, see `train.losses.document_mask`) and real tokens
 segment 1. `attention.attend` masks by segment and position, never by slot, so holes in the cache
 are never attended, and each row's RoPE positions run 0, 1, 2, … over its real tokens only (the
 next position of a row is 1 + the largest position among its segment-1 slots). A row's tokens are
@@ -436,7 +436,7 @@ def score(
 
   Aligned with tokens: out[b, t] = log softmax(logits[b, t-1] / temperature)[tokens[b, t]] where
   token t has a predecessor in its own document (segment_ids[t] == segment_ids[t-1] != 0), else 0
-  — the same targets as `train.pretrain.next_token_loss`. positions default to 0..T-1 and
+  — the same targets as `train.losses.next_token_loss`. positions default to 0..T-1 and
   segment_ids to all ones. For a sampled row [prompt | generated], out[b, len_b + i] equals
   `Sample.logprobs[b, i]` at temperature 1.
   """
