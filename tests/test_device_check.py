@@ -7,18 +7,13 @@ suite's persistent cache after the first run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
+import tiny
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location("device_check", _SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return tiny.load_script("benchmarks/device_check.py")
 
 
 def test_device_check_dry_run_writes_every_section(tmp_path):

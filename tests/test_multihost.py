@@ -11,6 +11,7 @@ import time
 
 import multihost
 import pytest
+import tiny
 
 from composer_jax import pipeline
 
@@ -24,12 +25,7 @@ def test_a_psum_across_2_processes_of_2_devices():
 
 
 def _tiny(stages: str):
-  import importlib.util
-
-  spec = importlib.util.spec_from_file_location("composer25", _EXPERIMENT)
-  exp = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(exp)
-  c = exp.get_config("tiny")
+  c = tiny.load_script("experiments/composer25.py").get_config("tiny")
   c.stages = stages
   return c
 

@@ -4,23 +4,18 @@ no marker), the end-of-run summary built from the stages' summaries, and synth â
 over the tasks the synth stage cut from the fixture repository of tests/test_synth_tasks.py."""
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import pathlib
 
 import pytest
+import tiny
 
 from composer_jax import pipeline, report, stages
 
-_EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
-
 
 def _config(stages: str):
-  spec = importlib.util.spec_from_file_location("composer25", _EXPERIMENT)
-  exp = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(exp)
-  c = exp.get_config("tiny")
+  c = tiny.load_script("experiments/composer25.py").get_config("tiny")
   c.stages = stages
   return c
 

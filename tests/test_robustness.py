@@ -74,8 +74,9 @@ def straight(corpus_dir, tmp_path_factory):
   return workdir, time.perf_counter() - t0
 
 
-def _interrupted(workdir, corpus_dir, delay: float, signum: int) -> subprocess.CompletedProcess:
-  proc = subprocess.Popen(
+def _spawn(workdir, corpus_dir) -> subprocess.Popen:
+  """run.py on the small experiment in the background, its output captured."""
+  return subprocess.Popen(
     _cmd(workdir, corpus_dir),
     cwd=_ROOT,
     env=_env(),
@@ -83,6 +84,10 @@ def _interrupted(workdir, corpus_dir, delay: float, signum: int) -> subprocess.C
     stderr=subprocess.PIPE,
     text=True,
   )
+
+
+def _interrupted(workdir, corpus_dir, delay: float, signum: int) -> subprocess.CompletedProcess:
+  proc = _spawn(workdir, corpus_dir)
   time.sleep(delay)
   proc.send_signal(signum)
   out, err = proc.communicate(timeout=600)
@@ -234,14 +239,7 @@ def test_rl_alone_after_a_failed_gate_stops_in_one_line_naming_it(corpus_dir, tm
 def test_a_second_run_on_a_workdir_in_use_stops_at_once_naming_the_holder(corpus_dir, tmp_path):
   """Two runs on one workdir: the second stops in one line naming the first's pid and host, and leaves
   the first alone (it stops cleanly on SIGTERM and releases the lock)."""
-  first = subprocess.Popen(
-    _cmd(tmp_path, corpus_dir),
-    cwd=_ROOT,
-    env=_env(),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
+  first = _spawn(tmp_path, corpus_dir)
   deadline = time.monotonic() + 300
   while not (tmp_path / ".lock").exists() and first.poll() is None and time.monotonic() < deadline:
     time.sleep(0.2)

@@ -189,6 +189,9 @@ class Checkpointer:
     meta = {"step": step, "data_state": data_state, "fingerprint": self.fingerprint, "config": self.record}
     meta["notes"] = self.notes
     try:
+      # One save in flight at a time: the next waits for the last to commit. Two would need the disk and
+      # host memory of both, and on a nearly full disk the older one could lose its room to the newer.
+      self._manager.wait_until_finished()
       saved = self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),

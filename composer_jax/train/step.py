@@ -83,7 +83,16 @@ def next_token_loss(cfg: model.ModelConfig, meshes: sharding.Meshes | None) -> L
     one = jnp.ones((), jnp.float32)
     return numerator, LossAux(count, {"loss": (nll, count), "balance_loss": (aux["balance_loss"], one)}, aux)
 
+  loss_fn.count = target_count  # the normaliser from the batch alone: what grad accumulation divides by
   return loss_fn
+
+
+def target_count(batch: batch_lib.TokenBatch) -> jax.Array:
+  """How many targets `forward_nll` counts in a batch (next tokens inside documents, target mask set)."""
+  _, mask_BT = next_token_targets(batch.tokens, batch.segment_ids)
+  if batch.target_mask is not None:
+    mask_BT = mask_BT & (batch.target_mask > 0)
+  return jnp.sum(mask_BT).astype(jnp.float32)
 
 
 # --- gradients -------------------------------------------------------------------------------------
@@ -117,22 +126,27 @@ def gradients(
   batch_sharding: Any = None,
 ) -> tuple[Any, jax.Array, LossAux]:  # fmt: skip
   """(gradient of the batch's loss, the loss, LossAux) — over `grad_accum` micro-batches run one after
-  another when > 1 (a scan: one micro-batch's activations live at a time). There the summed numerators'
-  gradient is divided once by the summed counts: exactly the whole batch's mean, not a mean of
-  micro-batch means."""
+  another when > 1 (a scan: one micro-batch's activations live at a time). There every micro-batch's
+  numerator is divided by the whole batch's count (`loss_fn.count(batch)`, known before any forward), so
+  the summed gradients are exactly the whole batch's mean, not a mean of micro-batch means."""
   if grad_accum == 1:
+    count = None
+  elif getattr(loss_fn, "count", None) is None:
+    raise ValueError("grad_accum > 1 needs a loss whose count is known from the batch (loss_fn.count)")
+  else:
+    count = jnp.maximum(loss_fn.count(batch), 1.0)
 
-    def mean(params):
-      numerator, la = loss_fn(params, batch, state)
-      return numerator / jnp.maximum(jax.lax.stop_gradient(la.count), 1.0), la
+  def mean(params, b, count):
+    numerator, la = loss_fn(params, b, state)
+    return numerator / (jnp.maximum(jax.lax.stop_gradient(la.count), 1.0) if count is None else count), la
 
-    (loss, la), grads = jax.value_and_grad(mean, has_aux=True)(state.params)
+  value_and_grad = jax.value_and_grad(mean, has_aux=True)
+  if grad_accum == 1:
+    (loss, la), grads = value_and_grad(state.params, batch, None)
     return grads, loss, la
-  value_and_grad = jax.value_and_grad(lambda p, b: loss_fn(p, b, state), has_aux=True)
   micro0 = jax.tree.map(lambda x: x[: x.shape[0] // grad_accum], batch)
-  (_, la0), _ = jax.tree.map(
-    lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(value_and_grad, state.params, micro0)
-  )
+  shapes = jax.eval_shape(value_and_grad, state.params, micro0, count)
+  (_, la0), _ = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
   aux0 = {k: la0.aux[k] for k in ("expert_load", "overflow", "balance_loss")}
   la0 = la0._replace(aux=aux0 | {"max_logit": jnp.full_like(la0.aux["max_logit"], -jnp.inf)})
   g0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
@@ -140,20 +154,18 @@ def gradients(
   def body(acc, micro):
     if batch_sharding is not None:
       micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
-    (num, la), g = value_and_grad(state.params, micro)
-    g_sum, num_sum, la_sum = acc
+    (loss, la), g = value_and_grad(state.params, micro, count)
+    g_sum, loss_sum, la_sum = acc
     g_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g)
     if grad_sharding is not None:
       g_sum = jax.lax.with_sharding_constraint(g_sum, grad_sharding)
     metrics = jax.tree.map(jnp.add, la_sum.metrics, la.metrics)
     la_sum = LossAux(la_sum.count + la.count, metrics, _add_aux(la_sum.aux, la.aux, grad_accum))
-    return (g_sum, num_sum + num, la_sum), None
+    return (g_sum, loss_sum + loss, la_sum), None
 
   zero = jnp.zeros((), jnp.float32)
-  (g_sum, numerator, la), _ = jax.lax.scan(body, (g0, zero, la0), _micro_batches(batch, grad_accum))
-  count = jnp.maximum(jax.lax.stop_gradient(la.count), 1.0)
-  grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), g_sum, state.params)
-  return grads, numerator / count, la
+  (g_sum, loss, la), _ = jax.lax.scan(body, (g0, zero, la0), _micro_batches(batch, grad_accum))
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), g_sum, state.params), loss, la
 
 
 # --- the step --------------------------------------------------------------------------------------
