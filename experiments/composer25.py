@@ -1,6 +1,6 @@
 """Composer 2.5 reproduction on a Kimi-K2.5-shaped (DeepSeek-V3 family) MoE transformer.
 
-  python run.py --config=experiments/composer25.py                     # tiny: all stages, ~9 min
+  python run.py --config=experiments/composer25.py                     # tiny: all stages, ~7 min
   python run.py --config=experiments/composer25.py:moonlight_16b       # Moonlight-16B-A3B shapes, 64 devices
   python run.py --config=experiments/composer25.py:kimi_k25_1t         # Kimi K2.5 (1T) shapes, 1024 devices
   python run.py --config=experiments/composer25.py --config.model.n_layers=2 --config.demo.decode_tokens=4
@@ -11,7 +11,7 @@
 Every default lives in the dataclasses of `composer_jax/configs.py` (the tiny CPU run); this file only
 says what each variant changes. An unknown key (`--config.rl.stepz=3`) fails at once, naming the key.
 
-`stages` is a comma-separated list run in order; tiny's default is pretrain,synth,sft,rl (the others:
+`stages` is a comma-separated list run in order; tiny's default is pretrain,synth,sft,gate,rl (the others:
 demo,pretrain). The run ends with a summary (losses, tasks built, SFT and RL rates, the feedback effect,
 where checkpoints and metrics are), also in <workdir>/summary.json. Rerunning a command skips the stages
 it finished with the same config (<workdir>/stages/<stage>.json), reruns those whose config changed and
@@ -30,9 +30,10 @@ over, their old outputs moved to <workdir>/stages/previous/.
   python run.py --config=experiments/composer25.py --config.stages=synth --workdir=runs/synth \\
       --config.synth.sources=toolz,boltons,cachetools,tabulate,humanize,inflection \\
       --config.synth.max_tasks_per_source=3                                         # all six: ~6 min
-  sft       SFT warm-up of a small one-device model (`rl.model` overrides) on toy tool-use demonstrations
-            (incl. invalid calls, errors and hints), checkpoints in <workdir>/sft, then solve rate and
-            invalid-call rate on fresh problems (sampled and greedy) in <workdir>/sft.json.
+  sft       SFT of the pretrained model (from <workdir>/checkpoints, on both meshes) on tool-use
+            demonstrations (incl. invalid calls, errors and hints), checkpoints in <workdir>/sft, then solve
+            rate and invalid-call rate on fresh problems (sampled and greedy) in <workdir>/sft.json.
+  gate      does the hinted teacher beat the student on flagged turns (G1-G5)? A failed gate stops rl.
   rl        multi-turn RL from the SFT checkpoint: P problems x G rollouts per step through the KV-cache
             sampler, Dr.GRPO, targeted text feedback (lambda_feedback > 0), Muon; <workdir>/rl, rl_metrics.
             With `rl.compare_without_feedback` (on by default) the same run with lambda_feedback 0 follows
@@ -45,7 +46,7 @@ over, their old outputs moved to <workdir>/stages/previous/.
       --config.rl.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2   # after stage synth
 
 Variants:
-  tiny           CPU default (all stages: 9 min 11 s on 2 idle cores). Dense mesh (replica=4,
+  tiny           CPU default (all stages: 6 min 49 s on 2 idle cores). Dense mesh (replica=4,
                  fsdp=1, context=2) and expert mesh (expert=8, expert_fsdp=1) on 8
                  devices (run.py and the tests force 8 CPU devices when no accelerator is present).
   moonlight_16b  Moonlight-16B-A3B (15.96B total, 2.24B active non-embedding): q_proj without
