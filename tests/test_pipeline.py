@@ -258,3 +258,18 @@ def test_rl_history_keeps_training_steps_and_evaluations_apart(tmp_path):
     dict(step=0, reward=0.25, invalid_call_rate=0.1),
     dict(step=2, reward=0.5, invalid_call_rate=0.05),
   ]
+
+
+def test_a_stage_without_its_upstream_checkpoint_names_the_stage_to_run(tmp_path):
+  """sft on a fresh workdir (no pretrain checkpoint, no init_from): one line naming the stage to run first;
+  with a checkpoint of another model: one line naming the fields that differ."""
+  from composer_jax import configs
+  from composer_jax.stages import weights
+
+  config = configs.from_config(_config("sft"))
+  with pytest.raises(
+    weights.MissingUpstream, match=r"no pretrain checkpoint under .* run stage pretrain first"
+  ):
+    weights.starting_params(config, str(tmp_path), "pretrain", None)
+  saved = {"d_model": 128, "n_layers": 2}
+  assert weights.model_identity(saved | {"remat": "full", "dtype": "bfloat16"}) == saved  # how, not what
