@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from composer_jax import configs, sharding
+from composer_jax import configs, model, sharding
 from composer_jax.plan import compile as compile_stage
 
 _EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
@@ -248,3 +248,22 @@ def test_stage_summary_carries_the_estimate(tmp_path):
   )
   refused = stage.STAGE.summarize({k: v for k, v in result.items() if k != "estimate"}, tmp_path)
   assert len(stage.STAGE.lines(refused)) == 1
+
+
+@pytest.mark.slow  # two XLA:TPU compiles of the RL step: 4 min 36 s on 2 busy cores (2026-12-07)
+@needs_libtpu
+def test_the_rl_step_with_its_feedback_branch_compiles_for_tpu(tmp_path):
+  """`compile.step=rl` lowers the RL step as the rl stage builds it: with the frozen teacher held in the
+  optimizer state (a second copy of the params on the same shardings) and the feedback branch's inputs.
+  Against the same step with a live teacher and no feedback, the state grows by that copy: at least the
+  params' bytes over the 4 chips (every leaf split at most 4 ways), at most all of them."""
+  config = _tiny("v5p:2x2x1", step="rl")
+  out = compile_stage.run(config, str(tmp_path / "frozen"))
+  bare_rl = dataclasses.replace(config.rl, teacher="live", lambda_feedback=0.0)
+  bare = compile_stage.run(dataclasses.replace(config, rl=bare_rl), str(tmp_path / "live"))
+  assert out["step"] == bare["step"] == "rl" and out["memory"]["peak"] > bare["memory"]["peak"]
+  param_bytes = sum(
+    np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(model.abstract_params(config.model))
+  )
+  teacher = out["memory"]["argument"] - bare["memory"]["argument"]
+  assert param_bytes / 4 <= teacher <= 1.05 * param_bytes, (teacher, param_bytes)

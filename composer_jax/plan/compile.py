@@ -129,16 +129,18 @@ def lower_train_step(config: configs.Config, meshes: sharding.Meshes) -> jax.sta
 
 
 def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages.Lowered:
-  """The RL step (Dr.GRPO etc., no feedback branch) of the variant's model, lowered for
-  problems_per_step × group_size rollouts padded to the power of two ≥ rl.cache_len tokens."""
+  """The RL step of the variant's model as the rl stage builds it, lowered for problems_per_step ×
+  group_size rollouts padded to the power of two ≥ rl.cache_len tokens. With rl.lambda_feedback > 0 it
+  carries the feedback branch: the teacher (frozen or EMA: a second copy of the params in the optimizer
+  state) encodes `rl.feedback_rows` flagged rows, extends them by a 64-token hint + turn, and the
+  divergence runs on up to max_turn_tokens tokens of each."""
   from composer_jax.rl import batch as rl_batch  # noqa: PLC0415  (the RL package is large)
   from composer_jax.rl import step as rl_step  # noqa: PLC0415
+  from composer_jax.rl.loss import LossSettings  # noqa: PLC0415
 
   cfg, r = config.model, config.rl
   ocfg = configs.stage_optimizer(config.optim, r.steps, lr=r.lr, warmup=r.warmup_steps, min_lr_ratio=1.0)
-  from composer_jax.rl.loss import LossSettings  # noqa: PLC0415
-
-  tx = optim.build_optimizer(cfg, ocfg, meshes)
+  tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, meshes), r)
   state = abstract_train_state(cfg, tx, meshes)
   step = step_lib.make_step(
     rl_step.loss_fn(cfg, LossSettings.of(r), meshes), tx, cfg, schedule=optim.lr_schedule(ocfg),
@@ -149,7 +151,14 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   grid = {k: ((rows, cols), np.int32) for k in ("tokens", "positions", "segment_ids")}
   grid |= {k: ((rows, cols), np.float32) for k in ("loss_mask", "sampler_logprobs")}
   per_row = {"rewards": ((rows,), np.float32), "group_ids": ((rows,), np.int32)}
-  return step.lower(state, rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes)))
+  batch = rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes))
+  if r.lambda_feedback > 0:
+    F, L, N = r.feedback_rows or rows, 64, rl_batch.bucket(r.max_turn_tokens, 16)
+    fb = {k: ((F,), np.int32) for k in ("fb_rows", "teacher_lengths", "hint_start")}
+    fb |= {"teacher_tokens": ((F, L), np.int32), "fb_cols": ((F, N), np.int32)}
+    fb |= {"teacher_cols": ((F, N), np.int32), "fb_mask": ((F, N), np.float32)}
+    batch = batch.replace(feedback=rl_batch.FeedbackBatch(**_abstract_batch(fb, meshes)))
+  return step.lower(state, batch)
 
 
 # Ops of the Muon update carry these named scopes (optim/muon.py): their share of the step's time.
