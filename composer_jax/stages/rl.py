@@ -93,10 +93,7 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
   if result.interrupted:
     raise Interrupted(f"{name} stopped at step {result.steps} and saved its checkpoint")
   summary = result.summary("reward", "eval_reward")
-  summary["evals"] = [
-    {"step": e["step"]} | {k.removeprefix("eval_"): v for k, v in e.items() if k != "step"}
-    for e in result.evals
-  ]
+  summary["evals"] = _unprefixed(result.evals)
   summary |= {
     "init": source,
     "lambda_feedback": rcfg.lambda_feedback,
@@ -118,9 +115,14 @@ def eval_history(path: pathlib.Path) -> list[dict]:
   """The fixed-set evaluations of a metrics JSONL as {step, reward, ...} (the `eval_` prefix dropped)."""
   from composer_jax.train import metrics
 
+  return _unprefixed(metrics.read_history(path, "eval_reward"))
+
+
+def _unprefixed(records: list[dict]) -> list[dict]:
+  """Fixed-set evaluation records as {step, reward, ...}: the `eval_` metrics without their prefix."""
   return [
     {"step": r["step"]} | {k.removeprefix("eval_"): v for k, v in r.items() if k.startswith("eval_")}
-    for r in metrics.read_history(path, "eval_reward")
+    for r in records
   ]
 
 
@@ -131,9 +133,9 @@ def _start(
   checkpoint's params (or `init_from`'s weights) with a fresh optimizer state, whose teacher they are."""
   from composer_jax import train
 
-  state = train.create_state(config.model, tx, jax.random.key(config.seed), meshes)
-  state, resumed = outputs.resume(out, state, name, ocfg)
-  if resumed is not None:
+  if out.ckpt.latest_step() is not None:  # a template to restore into, only when there is a checkpoint
+    state = train.create_state(config.model, tx, jax.random.key(config.seed), meshes)
+    state, _ = outputs.resume(out, state, name, ocfg)
     return state, f"{out.ckpt.directory}/{int(state.step)} (resumed)"
   params, source = weights.starting_params(config, workdir, "sft", meshes)
   return train.create_state(config.model, tx, jax.random.key(config.seed), meshes, params=params), source
