@@ -288,7 +288,7 @@ class CompileConfig:
 
   topology: str = "v5p:2x2x1"  # `jax.experimental.topologies` name, e.g. v5p:4x4x4, v5p:8x8x16
   num_slices: int = 1  # multi-slice topologies (DCN between slices)
-  step: str = "train"  # "train" (pretraining step) | "rl" (the RL step)
+  step: str = "train"  # "train" (pretraining step) | "rl" (the RL step) | "decode" (one sampler token)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -207,6 +207,29 @@ def batch_sharding(shape: Sequence[int], meshes: Meshes) -> NamedSharding:
   return NamedSharding(meshes.dense, _spec(axes, DENSE_ACTIVATION_RULES, shape, meshes.dense))
 
 
+# Where `model.init_cache`'s arrays keep their rows: latent and rope keys [L, B, S, ·], positions and
+# segment ids [B, S]; the write index is a replicated scalar.
+_CACHE_ROW_DIM = {"latent": 1, "k_rope": 1, "positions": 0, "segments": 0}
+
+
+def cache_shardings(cache: Any, meshes: Meshes, *, decode: bool = False) -> dict[str, NamedSharding]:
+  """Shardings of a KV cache (concrete or abstract): rows over replica·fsdp like the batch, so no device
+  holds the whole cache (Kimi's 256 rows × 4096 slots are 73 GB); rows that do not divide: replicated.
+  `decode` (one new token per row): over replica·fsdp·context where the rows divide, as XLA lays out a
+  decode step (one token leaves the context axis no sequence to split)."""
+  rows = next(iter(v.shape[_CACHE_ROW_DIM[k]] for k, v in cache.items() if k in _CACHE_ROW_DIM))
+  choices = (("replica", "fsdp", "context"),) * decode + (("replica", "fsdp"),)
+  axes = next((a for a in choices if rows % _size(meshes.dense, a) == 0), None)
+
+  def spec(key: str, ndim: int) -> PartitionSpec:
+    entries: list[Any] = [None] * ndim
+    if key in _CACHE_ROW_DIM:
+      entries[_CACHE_ROW_DIM[key]] = axes
+    return PartitionSpec(*entries)
+
+  return {k: NamedSharding(meshes.dense, spec(k, len(v.shape))) for k, v in cache.items()}
+
+
 def constrain(
   x: jax.Array, logical_axes: Logical, meshes: Meshes | None, *, expert: bool = False
 ) -> jax.Array:

@@ -113,9 +113,16 @@ def _tiny_model() -> configs.ModelConfig:
 
 def _cluster(config: configs.Config) -> configs.Config:
   """What every full-scale variant changes besides the model and meshes: long runs, the BPE tokenizer,
-  all synth sources, activation recompute."""
+  all synth sources, activation recompute, and RL batches of one rollout (and at most one teacher row)
+  per replica·fsdp device, each up to 4096 tokens with turns of up to 512."""
+  replica, fsdp, _ = config.mesh.dense
+  rows = replica * fsdp
+  rl = configs.RLConfig(
+    problems_per_step=rows // 8, group_size=8, feedback_rows=rows, cache_len=4096, max_turn_tokens=512
+  )
   return dataclasses.replace(
     config,
+    rl=rl,
     stages="demo,pretrain",
     model=dataclasses.replace(config.model, remat="full"),
     train=configs.TrainConfig(

@@ -185,3 +185,18 @@ def test_sharded_forward_with_two_rows_per_device(sharded_params, meshes):
   single_BTV, single_aux = jax.jit(lambda p, t: model.apply(p, CFG, t))(host_params, tokens_BT)
   np.testing.assert_allclose(np.asarray(sharded_BTV), np.asarray(single_BTV), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(aux["routed_experts"], single_aux["routed_experts"])
+
+
+def test_kv_cache_rows_split_over_the_dense_mesh(meshes):
+  """The sampler's cache is created on its devices, rows over replica·fsdp (4 here); a decode step's
+  layout adds context (8 ways) where the rows divide; 6 rows, divisible by neither, stay replicated."""
+  from composer_jax.rl import engine
+
+  cache = engine.empty_cache(CFG, 8, 16, meshes)
+  for key, rows_dim in (("latent", 1), ("k_rope", 1), ("positions", 0), ("segments", 0)):
+    shard_rows = {s.data.shape[rows_dim] for s in cache[key].addressable_shards}
+    assert shard_rows == {2}, (key, shard_rows)
+  decode = sharding.cache_shardings(cache, meshes, decode=True)
+  assert decode["latent"].spec == P(None, ("replica", "fsdp", "context"), None, None)
+  odd = sharding.cache_shardings(jax.eval_shape(lambda: model.init_cache(CFG, 6, 16)), meshes, decode=True)
+  assert odd["positions"].spec == P(None, None) and odd["index"].spec == P()

@@ -219,6 +219,7 @@ def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_exper
   cos, sin = rope.cos_sin(cfg, pos_BT)
   shared_cache, kv = (), None
   if cache is not None:
+    cache = cache if meshes is None else _on_cache_layout(cache, meshes, tokens_BT.shape[1])
     index = jnp.asarray(cache["index"], jnp.int32)
     k_pos = jax.lax.dynamic_update_slice_in_dim(cache["positions"], pos_BT.astype(jnp.int32), index, 1)
     k_seg = jax.lax.dynamic_update_slice_in_dim(cache["segments"], seg_BT.astype(jnp.int32), index, 1)
@@ -241,14 +242,21 @@ def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_exper
   # [L, H]: each head's largest attention logit, layers in order
   aux["max_logit"] = jnp.concatenate(max_logits) if max_logits else jnp.zeros((0, cfg.n_heads), jnp.float32)
   if cache is not None:
-    aux["cache"] = {
+    new_cache = {
       "index": cache["index"] + tokens_BT.shape[1],
       "positions": shared_cache[1],
       "segments": shared_cache[2],
       "latent": kv[0],
       "k_rope": kv[1],
     }
+    # on the layout it came in (rows like the batch), so a donated cache is updated in place
+    aux["cache"] = new_cache if meshes is None else _on_cache_layout(new_cache, meshes, tokens_BT.shape[1])
   return logits_BTV, aux
+
+
+def _on_cache_layout(cache: dict, meshes: sharding.Meshes, new_tokens: int) -> dict:
+  where = sharding.cache_shardings(cache, meshes, decode=new_tokens == 1)
+  return jax.lax.with_sharding_constraint(cache, where)
 
 
 def _collect_aux(moe_aux: dict | None, cfg: ModelConfig, tokens_shape: tuple[int, int]) -> dict:

@@ -86,7 +86,7 @@ def abstract_train_state(cfg: model.ModelConfig, tx: Any, meshes: sharding.Meshe
   """
   shapes = model.abstract_params(cfg)
   where = sharding.param_shardings(model.logical_axes(cfg), shapes, meshes)
-  params = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
+  params = _placed(shapes, where)
   by_path = {path: (w, s.shape) for (path, w), s in zip(jax.tree_util.tree_flatten_with_path(where)[0],
                                                           jax.tree.leaves(shapes), strict=True)}  # fmt: skip
   rep = NamedSharding(meshes.dense, PartitionSpec())
@@ -97,6 +97,10 @@ def abstract_train_state(cfg: model.ModelConfig, tx: Any, meshes: sharding.Meshe
 
   opt_state = jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, params))
   return TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=rep), params=params, opt_state=opt_state)
+
+
+def _placed(shapes: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, shardings)
 
 
 def _abstract_batch(fields: dict[str, tuple[tuple[int, ...], Any]], meshes: sharding.Meshes) -> dict:
@@ -133,7 +137,7 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   group_size rollouts padded to the power of two ≥ rl.cache_len tokens. With rl.lambda_feedback > 0 it
   carries the feedback branch: the teacher (frozen or EMA: a second copy of the params in the optimizer
   state) encodes `rl.feedback_rows` flagged rows, extends them by a 64-token hint + turn, and the
-  divergence runs on up to max_turn_tokens tokens of each."""
+  divergence runs on up to max_turn_tokens tokens of each (a 64-token hint + turn)."""
   from composer_jax.rl import batch as rl_batch  # noqa: PLC0415  (the RL package is large)
   from composer_jax.rl import step as rl_step  # noqa: PLC0415
   from composer_jax.rl.loss import LossSettings  # noqa: PLC0415
@@ -152,14 +156,41 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   grid |= {k: ((rows, cols), np.float32) for k in ("loss_mask", "sampler_logprobs")}
   per_row = {"rewards": ((rows,), np.float32), "group_ids": ((rows,), np.int32)}
   batch = rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes))
-  if r.lambda_feedback > 0:
-    F, L, N = r.feedback_rows or rows, 64, rl_batch.bucket(r.max_turn_tokens, 16)
+  if r.lambda_feedback > 0:  # a hint of up to 64 tokens, then the turn
+    N = rl_batch.bucket(r.max_turn_tokens, 16)
+    F, L = r.feedback_rows or rows, rl_batch.bucket(64 + N, 64)
     fb = {k: ((F,), np.int32) for k in ("fb_rows", "teacher_lengths", "hint_start")}
     fb |= {"teacher_tokens": ((F, L), np.int32), "fb_cols": ((F, N), np.int32)}
     fb |= {"teacher_cols": ((F, N), np.int32), "fb_mask": ((F, N), np.float32)}
     batch = batch.replace(feedback=rl_batch.FeedbackBatch(**_abstract_batch(fb, meshes)))
   return step.lower(state, batch)
 
+
+def lower_decode_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages.Lowered:
+  """One token of the sampler's decode loop as the rl stage's engine runs it (`rl.sampler._feed`): every
+  rollout row (problems_per_step × group_size) feeds its last sampled token through the policy's weights
+  (the training state's params and shardings) against a full latent cache of rl.cache_len slots, whose
+  rows are split over the dense mesh (`sharding.cache_shardings`); the cache is updated in place (donated, as
+  it is the decode loop's carried state) and the next token's logits come back."""
+  from composer_jax.rl import sampler  # noqa: PLC0415
+
+  cfg, r = config.model, config.rl
+  rows = r.problems_per_step * r.group_size
+  shapes = model.abstract_params(cfg)
+  params = _placed(shapes, sharding.param_shardings(model.logical_axes(cfg), shapes, meshes))
+  cache = jax.eval_shape(lambda: model.init_cache(cfg, rows, r.cache_len))
+  cache = _placed(cache, sharding.cache_shardings(cache, meshes, decode=True))
+  tokens = jax.ShapeDtypeStruct((rows, 1), np.int32, sharding=sharding.batch_sharding((rows, 1), meshes))
+  lengths = jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharding.batch_sharding((rows,), meshes))
+  dcfg = sampler.decode_config(cfg)
+
+  def step(params, cache, tokens, lengths):
+    return sampler.extend(params, dcfg, cache, tokens, lengths, meshes=meshes)
+
+  return jax.jit(step, donate_argnums=1).lower(params, cache, tokens, lengths)
+
+
+STEPS = {"train": lower_train_step, "rl": lower_rl_step, "decode": lower_decode_step}
 
 # Ops of the Muon update carry these named scopes (optim/muon.py): their share of the step's time.
 MUON_SCOPES = {"muon": r"muon_group\d+|newton_schulz"}
@@ -216,6 +247,9 @@ def _add_mfu(est: dict[str, Any], config: configs.Config, devices: int) -> None:
   """Model FLOPs per device and MFU at the estimated step time (the train step only: the RL step's
   work is not 6 · N · tokens)."""
   est["muon_seconds"] = est["scope_seconds"].get("muon", 0.0)
+  if config.compile.step == "decode":  # one token for every rollout row
+    rows, seconds = config.rl.problems_per_step * config.rl.group_size, est["step_seconds"]
+    est["tokens_per_second"] = rows / seconds if seconds > 0 else None
   if config.compile.step != "train":
     est["model_flops_per_device"] = est["mfu"] = None
     return
@@ -229,7 +263,7 @@ def _add_mfu(est: dict[str, Any], config: configs.Config, devices: int) -> None:
 def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[str, Any]:
   """Lowers and compiles `config.compile.step` on `devices`; the analysis next to the plan's."""
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
-  lower = {"train": lower_train_step, "rl": lower_rl_step}[config.compile.step]
+  lower = STEPS[config.compile.step]
   t0, cpu0 = time.perf_counter(), time.process_time()
   compiled, failure = _compile(lower(config, meshes))
   seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
@@ -263,8 +297,8 @@ def run(config: configs.Config, workdir: str) -> dict[str, Any]:
   (`fits: false`, one line with its biggest items and the knob to turn), also when XLA refuses it."""
   config = configs.from_config(config)
   c = config.compile
-  if c.step not in ("train", "rl"):
-    raise ValueError(f"compile.step={c.step!r}: must be 'train' or 'rl'.")
+  if c.step not in STEPS:
+    raise ValueError(f"compile.step={c.step!r}: must be one of {', '.join(STEPS)}.")
   devices = topology_devices(c.topology, c.num_slices)
   result = {"topology": c.topology, "num_slices": c.num_slices} | compile_config(config, devices)
   if "error" in result:  # XLA refused the program: only its temporaries are known

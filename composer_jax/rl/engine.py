@@ -19,6 +19,7 @@ Tunix sampler) can take its place behind the same four calls.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -61,6 +62,14 @@ class Rollout(Protocol):
   def logprobs(self, tokens: Any, segment_ids: Any) -> jax.Array: ...
 
 
+def empty_cache(cfg: model.ModelConfig, rows: int, slots: int, meshes: sharding.Meshes | None) -> dict:
+  """`model.init_cache`, created where it lives: on the meshes, each device allocates only its rows."""
+  make = functools.partial(model.init_cache, cfg, rows, slots)
+  if meshes is None:
+    return make()
+  return jax.jit(make, out_shardings=sharding.cache_shardings(jax.eval_shape(make), meshes))()
+
+
 class KVCacheSampler:
   """`Rollout` on `rl.sampler`: one latent KV cache for the batch, rows over the dense mesh's replica·fsdp
   devices. Sampling settings (temperature, top-k, turn length, cache length, routing replay) from `rcfg`."""
@@ -75,7 +84,7 @@ class KVCacheSampler:
     self.params = params
 
   def reset(self, rows: int) -> None:
-    self._cache = model.init_cache(self.cfg, rows, self.rcfg.cache_len)
+    self._cache = empty_cache(self.cfg, rows, self.rcfg.cache_len, self.meshes)
     self._held: list[list[int]] = [[] for _ in range(rows)]  # each row's tokens in the cache, in order
     self._index, self._calls = 0, 0
 

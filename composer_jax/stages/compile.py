@@ -19,15 +19,18 @@ def _check(config: Config) -> None:
   from composer_jax.configs import ConfigError, check_meshes
 
   check_meshes(config)
-  if config.compile.step not in ("train", "rl"):
-    raise ConfigError(f"compile.step {config.compile.step!r}: use 'train' or 'rl'")
+  from composer_jax.plan.compile import STEPS  # noqa: PLC0415
+
+  if config.compile.step not in STEPS:
+    raise ConfigError(f"compile.step {config.compile.step!r}: use one of {', '.join(STEPS)}")
 
 
 def _summarize(s: dict, w: Any) -> dict:
-  keys = ("topology", "devices", "compile_seconds", "fits", "flops_per_device")
-  est = s.get("estimate") or {}
+  keys = ("step", "topology", "devices", "compile_seconds", "fits", "flops_per_device", "error")
+  est, mem = s.get("estimate") or {}, s["memory"]
   return {k: s.get(k) for k in keys} | {
-    "peak_gib": s["memory"]["peak"] / 2**30,
+    # XLA refused a program too big for the chip: its temporaries are all that is known
+    "peak_gib": (mem["peak"] if "peak" in mem else mem.get("temp") or 0) / 2**30,
     "file": str(w / "compile.json"),
     "step_seconds_estimate": est.get("step_seconds"),
     "mfu_estimate": est.get("mfu"),
@@ -37,6 +40,11 @@ def _summarize(s: dict, w: Any) -> dict:
 
 def _lines(r: dict) -> list[str]:
   fits = {True: "fits", False: "DOES NOT FIT", None: "fit unknown"}[r["fits"]]
+  if r.get("error"):
+    return [
+      f"  {r['topology']} ({r['devices']} devices): XLA refused the {r.get('step') or 'train'} step, "
+      f"temporaries {r['peak_gib']:.2f} GiB per device; {r['file']}"
+    ]
   return [
     f"  {r['topology']} ({r['devices']} devices): compiled in {r['compile_seconds']:.0f} s, peak "
     f"{r['peak_gib']:.2f} GiB per device, {fits}; {r['file']}"

@@ -262,6 +262,11 @@ def _check(config: Config) -> None:
     step.check_config(r)
   except ValueError as e:
     problems.append(f"rl: {e}")
+  try:  # rollout rows and teacher rows split over the dense mesh like any batch
+    configs.check_batch("rl.problems_per_step × rl.group_size", r.problems_per_step * r.group_size, 1, config)
+    configs.check_batch("rl.feedback_rows", r.feedback_rows, 1, config)
+  except configs.ConfigError as e:
+    problems.append(str(e))
   if problems:
     raise configs.ConfigError("; ".join(problems))
 
