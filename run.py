@@ -234,7 +234,7 @@ def _known_failure(e: Exception) -> tuple[str, int]:
     return f"{e}; what finished and what the stage saved are kept: rerun the same command to resume", 130
   if isinstance(e, loop.Diverged | pipeline.GateFailed):
     return str(e), 1
-  if type(e).__name__ == "MissingUpstream":  # a stage's starting weights: one line naming what to run
+  if type(e).__name__ in ("MissingUpstream", "MeshMismatch"):  # what to run first; the mesh to set
     return str(e), 2
   if type(e).__name__ in ("CheckpointError", "CheckpointSaveError"):  # orbax: imported by the stages
     return str(e).replace("\n", " "), 2 if type(e).__name__ == "CheckpointError" else 1

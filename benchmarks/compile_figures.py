@@ -106,12 +106,13 @@ def muon_plan(args) -> dict:
 def hop(args) -> dict:
   from composer_jax import optim, sharding  # noqa: PLC0415
   from composer_jax.plan import compile as stage  # noqa: PLC0415
+  from composer_jax.train import state as train_state  # noqa: PLC0415
 
   config = configs.from_config(_variant("tiny"))
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, jax.devices())
   cfg, t = config.model, config.train
   tx = optim.build_optimizer(cfg, configs.pretrain_optimizer(config), meshes)
-  state = stage.abstract_train_state(cfg, tx, meshes)
+  state = train_state.abstract_state(cfg, tx, meshes)
   tok = stage._abstract_batch({"tokens": ((t.batch_size, t.seq_len), np.int32)}, meshes)["tokens"]
   fwd = jax.jit(lambda p, x: model.apply(p, cfg, x, meshes=meshes)[0]).lower(state.params, tok).compile()
   step = stage.lower_train_step(config, meshes).compile()

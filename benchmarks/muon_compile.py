@@ -53,6 +53,7 @@ from composer_jax import configs, model, optim, sharding  # noqa: E402
 from composer_jax.optim import newton_schulz  # noqa: E402
 from composer_jax.plan import compile as compile_stage  # noqa: E402
 from composer_jax.plan import estimate  # noqa: E402
+from composer_jax.train import state as train_state  # noqa: E402
 
 _EXPERIMENT = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "composer25.py"
@@ -238,7 +239,7 @@ def compile_update(config: configs.Config, devices: list) -> dict:
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
   ocfg = configs.pretrain_optimizer(config)
   tx = optim.muon_branch(cfg, ocfg, meshes)
-  state = compile_stage.abstract_train_state(cfg, tx, meshes)
+  state = train_state.abstract_state(cfg, tx, meshes)
   shard = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
   fn = jax.jit(
     tx.update,

@@ -92,6 +92,10 @@ class Meshes:
     return _size(self.expert, EXPERT_PARAM_RULES["expert"])
 
 
+class MeshMismatch(ValueError):
+  """The meshes' sizes do not multiply to the devices there are (run.py prints it as one line)."""
+
+
 def build_meshes(
   dense_shape: Sequence[int], expert_shape: Sequence[int], devices: Sequence[jax.Device] | None = None
 ) -> Meshes:
@@ -107,9 +111,10 @@ def build_meshes(
     if len(shape) != len(axes):
       raise ValueError(f"The {name} mesh shape {shape} needs {len(axes)} sizes, one per axis {axes}.")
     if math.prod(shape) != len(devices):
-      raise ValueError(
+      raise MeshMismatch(
         f"The {name} mesh {dict(zip(axes, shape, strict=True))} has {math.prod(shape)} devices but "
-        f"{len(devices)} are available; make the product of its sizes equal {len(devices)}."
+        f"{len(devices)} are available; make the product of its sizes equal {len(devices)} "
+        f"(--config.mesh.dense and --config.mesh.expert)."
       )
   grid = device_grid(dense_shape, devices)
   dense = Mesh(grid, DENSE_AXES, axis_types=(AxisType.Auto,) * len(DENSE_AXES))

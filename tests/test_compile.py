@@ -247,7 +247,10 @@ def test_stage_summary_carries_the_estimate(tmp_path):
     "estimated step 1500.0 ms" in lines[1] and "MFU 41.0%" in lines[1] and "Muon update 20.0 ms" in lines[1]
   )
   # XLA refused the program (too big for the chip): only its temporaries are known
-  refused = {k: v for k, v in result.items() if k != "estimate"} | {"fits": False, "error": "RESOURCE_EXHAUSTED"}
+  refused = {k: v for k, v in result.items() if k != "estimate"} | {
+    "fits": False,
+    "error": "RESOURCE_EXHAUSTED",
+  }
   refused = stage.STAGE.summarize(refused | {"memory": {"temp": 3 * 2**30}}, tmp_path)
   (line,) = stage.STAGE.lines(refused)
   assert "XLA refused" in line and "3.00 GiB" in line, line
@@ -270,6 +273,9 @@ def test_the_rl_step_with_its_feedback_branch_compiles_for_tpu(tmp_path):
   )
   teacher = out["memory"]["argument"] - bare["memory"]["argument"]
   assert param_bytes / 4 <= teacher <= 1.05 * param_bytes, (teacher, param_bytes)
+  # the planner's RL model (plan/rollout.py) holds the same state, teacher included
+  for result in (out, bare):
+    assert result["plan"]["argument"] == pytest.approx(result["memory"]["argument"], rel=0.05), result
 
 
 @needs_libtpu
@@ -280,9 +286,17 @@ def test_one_decode_step_compiles_with_its_cache_split_and_updated_in_place(tmp_
   config = _tiny("v5p:2x2x1", step="decode")
   out = compile_stage.run(config, str(tmp_path))
   r = config.rl
-  cache = jax.eval_shape(lambda: model.init_cache(config.model, r.problems_per_step * r.group_size, r.cache_len))
+  cache = jax.eval_shape(
+    lambda: model.init_cache(config.model, r.problems_per_step * r.group_size, r.cache_len)
+  )
   cache_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
   mem = out["memory"]
   assert out["step"] == "decode" and out["estimate"]["tokens_per_second"] > 0
-  assert mem["alias"] >= cache_bytes / 4 and mem["output"] - mem["alias"] < mem["alias"] / 8, (mem, cache_bytes)
+  assert mem["alias"] >= cache_bytes / 4 and mem["output"] - mem["alias"] < mem["alias"] / 8, (
+    mem,
+    cache_bytes,
+  )
   assert mem["argument"] < cache_bytes / 2, "a chip holds more than its share of the cache"
+  # the planner's decode model (plan/rollout.py) counts the same parameters and cache, tiled
+  for field in ("argument", "alias"):
+    assert out["plan"][field] == pytest.approx(mem[field], rel=0.05), (field, out["plan"], mem)

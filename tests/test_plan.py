@@ -179,3 +179,16 @@ def test_a_plan_that_does_not_fit_says_so_in_one_line(tmp_path, caplog):
   assert out["fits"] is False and out["hbm_bytes"] == int(8 * 2**30 * 0.75)  # jax's GPU preallocation
   lines = [r.getMessage() for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
   assert len(lines) == 1 and "biggest:" in lines[0] and "to turn:" in lines[0], lines
+
+
+def test_the_knob_offered_is_one_not_already_turned():
+  """With remat already full the advice for activations is not "set remat='full'"; for the RL and decode
+  steps it names the rollout batch."""
+  from composer_jax.plan import report
+
+  items = [("activations", 90 * 2**30), ("params", 2**30)]
+  assert "model.remat='full'" in report.does_not_fit(100 * 2**30, 95 * 2**30, items, remat="none")
+  full = report.does_not_fit(100 * 2**30, 95 * 2**30, items, remat="full")
+  assert "set model.remat='full'" not in full and "train.grad_accum" in full, full
+  rl = report.does_not_fit(100 * 2**30, 95 * 2**30, [("temp", 99 * 2**30)], remat="full", step="rl")
+  assert "rl.problems_per_step" in rl and "grad_accum" not in rl, rl

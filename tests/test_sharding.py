@@ -34,9 +34,10 @@ def _is_axes(x) -> bool:
   [((4, 1, 1), (8, 1), ("4", "8")), ((4, 1, 2), (4, 1), ("4", "8")), ((2, 2, 4), (8, 1), ("16", "8"))],
 )
 def test_build_meshes_rejects_wrong_device_count(dense, expert, numbers):
-  with pytest.raises(ValueError) as err:
+  with pytest.raises(sharding.MeshMismatch) as err:  # run.py prints it as one line, exit 2
     sharding.build_meshes(dense, expert)
   message = str(err.value)
+  assert "--config.mesh.dense" in message
   for n in numbers:
     assert f"{n} devices" in message or f"{n} are available" in message, message
 

@@ -11,6 +11,7 @@ from composer_jax.model.moe import update_router_bias
 from composer_jax.model.transformer import (
   abstract_params,
   apply,
+  head,
   init,
   init_cache,
   layer_slot,
@@ -25,6 +26,7 @@ __all__ = [
   "RopeConfig",
   "abstract_params",
   "apply",
+  "head",
   "init",
   "init_cache",
   "layer_slot",

@@ -236,9 +236,9 @@ def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_exper
       moe_aux = aux
     start += n
   x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
-  head_DV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-  logits_BTV = project("btd,dv->btv", x_BTD, head_DV, cfg.dtype).astype(jnp.float32)
+  logits_BTV = head(params, cfg, x_BTD)
   aux = _collect_aux(moe_aux, cfg, tokens_BT.shape)
+  aux["hidden"] = x_BTD  # what the head reads: a caller may score a few positions with `head` itself
   # [L, H]: each head's largest attention logit, layers in order
   aux["max_logit"] = jnp.concatenate(max_logits) if max_logits else jnp.zeros((0, cfg.n_heads), jnp.float32)
   if cache is not None:
@@ -257,6 +257,12 @@ def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_exper
 def _on_cache_layout(cache: dict, meshes: sharding.Meshes, new_tokens: int) -> dict:
   where = sharding.cache_shardings(cache, meshes, decode=new_tokens == 1)
   return jax.lax.with_sharding_constraint(cache, where)
+
+
+def head(params: dict, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
+  """float32 logits of final-normed hidden states [..., D] (`apply`'s aux["hidden"])."""
+  head_DV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+  return project("...d,dv->...v", x_BTD, head_DV, cfg.dtype).astype(jnp.float32)
 
 
 def _collect_aux(moe_aux: dict | None, cfg: ModelConfig, tokens_shape: tuple[int, int]) -> dict:
@@ -301,7 +307,8 @@ def apply(
   aux: `expert_load` [MoE layers, E] assignments per expert, `overflow` dropped assignments
   (capacity paths; 0 when dropless), `balance_loss` the sequence-wise balance loss,
   `routed_experts` int32 [MoE layers, B, T, top_k] the experts used (replayed or chosen),
-  `max_logit` [layers, H] each head's largest attention logit (what QK-clip caps).
+  `max_logit` [layers, H] each head's largest attention logit (what QK-clip caps), `hidden` [B, T, D]
+  the final-normed states the head reads (unused, it costs nothing: XLA drops it).
   balanced: the rows are in `sharding.balance_sequence` order over the dense mesh's context shards
   (context load balancing, `ModelConfig.context_load_balance`): the caller reordered tokens, positions
   and segment ids (and routed_experts) alike and gets logits and aux in that order. Positions must be

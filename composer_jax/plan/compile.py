@@ -34,14 +34,13 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import configs, model, optim, sharding
-from composer_jax.plan import core, estimate, report
+from composer_jax.plan import core, estimate, report, rollout
 from composer_jax.train import pretrain
+from composer_jax.train import state as train_state
 from composer_jax.train import step as step_lib
 from composer_jax.train.batch import TokenBatch
-from composer_jax.train.state import TrainState
 
 LIBTPU_HINT = (
   "the compile stage needs XLA:TPU from libtpu: `pip install -e '.[tpu]'` (jax[tpu] at the project's jax "
@@ -78,27 +77,6 @@ def collectives(hlo_text: str) -> dict[str, int]:
   return dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo_text)).items()))
 
 
-def abstract_train_state(cfg: model.ModelConfig, tx: Any, meshes: sharding.Meshes) -> TrainState:
-  """The state `train.create_state` builds, as ShapeDtypeStructs with the same shardings.
-
-  Optimizer leaves shaped like a parameter sit on that parameter's sharding (what `zeros_like` of a
-  sharded array gives); scalar counters are replicated on the dense mesh (`state._place`).
-  """
-  shapes = model.abstract_params(cfg)
-  where = sharding.param_shardings(model.logical_axes(cfg), shapes, meshes)
-  params = _placed(shapes, where)
-  by_path = {path: (w, s.shape) for (path, w), s in zip(jax.tree_util.tree_flatten_with_path(where)[0],
-                                                          jax.tree.leaves(shapes), strict=True)}  # fmt: skip
-  rep = NamedSharding(meshes.dense, PartitionSpec())
-
-  def place(path, leaf):
-    match = [w for p, (w, shape) in by_path.items() if path[-len(p) :] == p and shape == leaf.shape]
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=match[0] if match else rep)
-
-  opt_state = jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, params))
-  return TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=rep), params=params, opt_state=opt_state)
-
-
 def _placed(shapes: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, shardings)
 
@@ -118,7 +96,7 @@ def lower_train_step(config: configs.Config, meshes: sharding.Meshes) -> jax.sta
   cfg, tcfg = config.model, config.train
   ocfg = configs.pretrain_optimizer(config)
   tx = optim.build_optimizer(cfg, ocfg, meshes)
-  state = abstract_train_state(cfg, tx, meshes)
+  state = train_state.abstract_state(cfg, tx, meshes)
   shape = (tcfg.batch_size, tcfg.seq_len)
   batch = TokenBatch(
     **_abstract_batch({k: (shape, np.int32) for k in ("tokens", "segment_ids", "positions")}, meshes)
@@ -145,13 +123,13 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   cfg, r = config.model, config.rl
   ocfg = configs.stage_optimizer(config.optim, r.steps, lr=r.lr, warmup=r.warmup_steps, min_lr_ratio=1.0)
   tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, meshes), r)
-  state = abstract_train_state(cfg, tx, meshes)
+  state = train_state.abstract_state(cfg, tx, meshes)
   step = step_lib.make_step(
     rl_step.loss_fn(cfg, LossSettings.of(r), meshes), tx, cfg, schedule=optim.lr_schedule(ocfg),
     meshes=meshes, state_sharding=jax.tree.map(lambda x: x.sharding, state),
     router_bias_rate=r.router_bias_rate,
   )  # fmt: skip
-  rows, cols = r.problems_per_step * r.group_size, rl_batch.bucket(r.cache_len, 64)
+  rows, cols = rollout.rl_shape(r)
   grid = {k: ((rows, cols), np.int32) for k in ("tokens", "positions", "segment_ids")}
   grid |= {k: ((rows, cols), np.float32) for k in ("loss_mask", "sampler_logprobs")}
   per_row = {"rewards": ((rows,), np.float32), "group_ids": ((rows,), np.int32)}
@@ -267,7 +245,8 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
   t0, cpu0 = time.perf_counter(), time.process_time()
   compiled, failure = _compile(lower(config, meshes))
   seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
-  plan = core.make_plan(config, tpu=devices[0].platform == "tpu")
+  tpu = devices[0].platform == "tpu"
+  plan = core.make_plan(config, tpu=tpu)
   kind = devices[0].device_kind
   hbm = HBM_BYTES.get(kind) or plan.hbm_bytes
   result = {
@@ -284,10 +263,13 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
     _add_mfu(result["estimate"], config, len(devices))
   else:  # XLA's own verdict: too big for the chip; only its temporaries are known
     result |= {"memory": {"temp": failure["temp"]}, "fits": False, "error": failure["error"]}
-  result |= {"plan": plan.xla, "hbm_bytes": hbm}
-  result["biggest_plan_terms"] = report.biggest_terms(plan)
-  if config.compile.step != "train":
-    result["plan_note"] = "the planner models the pretraining step; compare the RL step's state only"
+  result["hbm_bytes"] = hbm
+  if config.compile.step == "train":
+    result |= {"plan": plan.xla, "biggest_plan_terms": report.biggest_terms(plan)}
+  else:  # the planner's RL-step and decode-step models (plan/rollout.py)
+    other = {"rl": rollout.rl_step, "decode": rollout.decode_step}[config.compile.step](config, tpu=tpu)
+    terms = sorted(other["terms"].items(), key=lambda kv: -kv[1])
+    result |= {"plan": other["xla"], "plan_terms": other["terms"], "biggest_plan_terms": terms[:3]}
   return result
 
 
@@ -308,7 +290,11 @@ def run(config: configs.Config, workdir: str) -> dict[str, Any]:
   if result["fits"] is False:
     temp = result["memory"]["temp"] or 0
     items = [("temp", temp)] + [tuple(t) for t in result["biggest_plan_terms"]]
-    lines.append(report.does_not_fit(result["memory"].get("peak", temp), result["hbm_bytes"], items))
+    lines.append(
+      report.does_not_fit(
+        result["memory"].get("peak", temp), result["hbm_bytes"], items, remat=config.model.remat, step=c.step
+      )
+    )
   result["report"] = "\n".join(lines)
   logging.info("%s", result["report"])
   if result["fits"] is False:

@@ -151,7 +151,9 @@ def run(config: configs.Config, workdir: str) -> dict[str, Any]:
   plan = make_plan(config)
   text = report.format_plan(plan)
   if plan.fits is False:
-    text += "\n" + report.does_not_fit(plan.peak_bytes, plan.hbm_bytes, report.biggest_terms(plan))
+    text += "\n" + report.does_not_fit(
+      plan.peak_bytes, plan.hbm_bytes, report.biggest_terms(plan), remat=config.model.remat
+    )
   logging.info("%s", text)
   if plan.fits is False:
     logging.warning("%s", text.splitlines()[-1])

@@ -39,10 +39,22 @@ def biggest_terms(plan: Any, n: int = 3) -> list[tuple[str, int]]:
   return sorted(terms.items(), key=lambda kv: -kv[1])[:n]
 
 
-def does_not_fit(peak: int, hbm: int, items: list[tuple[str, int]]) -> str:
-  """One line: by how much, the biggest items, and the knob for the biggest."""
+# What to turn for activations or temporaries when remat is already full, and for the rollout programs.
+_FULL_REMAT = "raise train.grad_accum or split the batch over more devices (model.remat is already 'full')"
+_ROLLOUT = "fewer rows (rl.problems_per_step × rl.group_size) or a shorter rl.cache_len, or more devices"
+
+
+def does_not_fit(
+  peak: int, hbm: int, items: list[tuple[str, int]], *, remat: str = "none", step: str = "train"
+) -> str:
+  """One line: by how much, the biggest items, and the knob for the biggest (one that is not already
+  turned: no "set remat='full'" when it is; the RL and decode steps' batch is the rollouts')."""
   listed = ", ".join(f"{name} {v / 2**30:.1f} GiB" for name, v in items)
   knob = _KNOBS.get(items[0][0], "shard wider or use more devices") if items else "use more devices"
+  if "remat" in knob and step != "train":
+    knob = _ROLLOUT
+  elif "remat" in knob and remat == "full":
+    knob = _FULL_REMAT
   return (
     f"DOES NOT FIT: {peak / 2**30:.1f} GiB per device > {hbm / 2**30:.0f} GiB HBM; biggest: {listed}; "
     f"to turn: {knob}"

@@ -64,6 +64,31 @@ def create_state(
   return TrainState(step=step, params=committed(params) if meshes is None else params, opt_state=opt_state)
 
 
+def abstract_state(
+  cfg: model.ModelConfig, tx: optax.GradientTransformation, meshes: sharding.Meshes
+) -> TrainState:
+  """The state `create_state` builds, as ShapeDtypeStructs on the same shardings, with nothing allocated:
+  the template a checkpoint is restored into (so a resumed run never initialises or reads weights it is
+  about to overwrite, nor holds them next to the restored copy) and what the compile stage lowers with.
+
+  Optimizer leaves shaped like a parameter sit on that parameter's sharding (what `zeros_like` of a
+  sharded array gives); scalar counters are replicated on the dense mesh (`_place`)."""
+  shapes = model.abstract_params(cfg)
+  where = sharding.param_shardings(model.logical_axes(cfg), shapes, meshes)
+  params = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
+  flat_where = jax.tree_util.tree_flatten_with_path(where)[0]
+  by_path = {path: (w, s.shape) for (path, w), s in zip(flat_where, jax.tree.leaves(shapes), strict=True)}
+  rep = replicated(meshes)
+
+  def place(path, leaf):
+    match = [w for p, (w, shape) in by_path.items() if path[-len(p) :] == p and shape == leaf.shape]
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=match[0] if match else rep)
+
+  opt_state = jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, params))
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+  return TrainState(step=step, params=params, opt_state=opt_state)
+
+
 def state_shardings(state: TrainState) -> Any:
   """The state's tree of shardings (what the jitted step takes and returns)."""
   return jax.tree.map(lambda x: x.sharding, state)
