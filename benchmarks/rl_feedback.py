@@ -85,9 +85,10 @@ def coding_check(config, workdir):
 
   src, venv = fixture_env()
   task_list = tasks.make_tasks(src, venv=venv, max_tasks=2, runs=2)
+  one_step = dataclasses.replace(configs.RLConfig().schedule, steps=1)
   rcfg = configs.RLConfig(
-    env="coding", steps=1, problems_per_step=len(task_list), group_size=2, max_turns=3, max_turn_tokens=48,
-    cache_len=4096, lambda_feedback=1.0,
+    env="coding", schedule=one_step, problems_per_step=len(task_list), group_size=2, max_turns=3,
+    max_turn_tokens=48, cache_len=4096, lambda_feedback=1.0,
   )  # fmt: skip
   ccfg = coding.CodingConfig(max_turns=rcfg.max_turns, max_output_chars=400, tool_timeout_s=60.0)
   root = pathlib.Path(workdir, "coding_episodes")
@@ -113,7 +114,7 @@ def coding_check(config, workdir):
   )  # fmt: skip
   hooks = rl_loop.hooks(make, cfg, rcfg, chat.tokenizer(config.data.tokenizer), meshes=meshes)
   t0 = time.perf_counter()
-  _, result = train_loop.fit(state, step, rl_loop.schedule(rcfg), hooks, name="coding")
+  _, result = train_loop.fit(state, step, rcfg.schedule, hooks, name="coding")
   summary = result.summary("reward")
   return {"tasks": [t.instance_id for t in task_list], "seconds": time.perf_counter() - t0, **summary}
 
@@ -277,7 +278,8 @@ def build_config(args):
     for p in parents:
       node = node[p]
     node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value.lower() == "true"
-  cd.rl.update(steps=args.steps, eval_every=args.eval_every, eval_problems=args.eval_problems)
+  cd.rl.schedule.update(steps=args.steps, eval_every=args.eval_every)
+  cd.rl.eval_problems = args.eval_problems
   return configs.from_config(cd)
 
 
@@ -329,11 +331,11 @@ def main():
   plots.mkdir(parents=True, exist_ok=True)
   r = config.rl
   report += [
-    f"- {r.steps} RL steps x {r.problems_per_step} problems x {r.group_size} rollouts, {r.objective}, "
-    f"lr {r.lr}; "
+    f"- {r.schedule.steps} RL steps x {r.problems_per_step} problems x {r.group_size} rollouts, "
+    f"{r.objective}, lr {r.lr}; "
     f"feedback: λ {r.lambda_feedback}, {r.feedback_mode} form, {r.divergence}, {r.teacher} teacher, "
     f"{r.feedback_tokens} tokens (threshold {r.divergence_threshold}), clip {r.feedback_clip}; fixed set "
-    f"{r.eval_problems} problems every {r.eval_every} steps",
+    f"{r.eval_problems} problems every {r.schedule.eval_every} steps",
     "",
     markdown(table),
     "",

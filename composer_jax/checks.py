@@ -1,7 +1,7 @@
 """Generic config checks by field name, run once before any stage: a run that could only train nothing or
 train on NaN stops in one line naming the key, instead of being recorded as finished or failing minutes in.
 
-  checks.numbers(config)   # raises configs.ConfigError, e.g. "train.steps=-5: must be > 0 ..."
+  checks.numbers(config)   # raises configs.ConfigError, e.g. "train.schedule.steps=-5 must be > 0 ..."
 
 The rules look at field names only (`steps`, `*_every`, `learning_rate`, `lr`, ...), wherever the field
 sits, so they hold for any arrangement of the config's sections (nested dataclasses and dicts of numbers).

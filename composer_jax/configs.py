@@ -42,6 +42,7 @@ __all__ = [
   "RLConfig",
   "RopeConfig",
   "SFTConfig",
+  "ScheduleConfig",
   "StaleEnvConfig",
   "SynthConfig",
   "TrainConfig",
@@ -49,6 +50,7 @@ __all__ = [
   "check_meshes",
   "check_path",
   "CADENCE",
+  "cadence_paths",
   "fingerprint",
   "from_config",
   "identity",
@@ -96,21 +98,38 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+  """How long a training stage runs and how often it logs, evaluates and saves: `train.schedule`,
+  `sft.schedule` and `rl.schedule` are this one section, and `train.loop.fit` runs it as it is. A change
+  of any field but `warmup_steps` continues the stage's checkpoint (`CADENCE`); the warm-up shapes the
+  learning rate, so a checkpoint is not continued across it."""
+
+  steps: int  # train up to this step count
+  warmup_steps: int = 0  # the learning rate's linear 0 → peak (`optimizer_for`)
+  log_every: int = 1
+  eval_every: int = 0  # 0: no evaluation
+  checkpoint_every: int = 0  # 0: only at the end
+  keep_checkpoints: int = 1
+  max_skipped_in_a_row: int = 10  # non-finite steps in a row that stop the run (unsaved); 0: never
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """The pretraining stage (`stages/pretrain.py`, `train.pretrain`)."""
 
-  steps: int = 60  # ~2-4 s/step on 2 CPU cores (tiny, 8 fake devices)
+  # 60 steps: ~2-4 s/step on 2 CPU cores (tiny, 8 fake devices)
+  schedule: ScheduleConfig = ScheduleConfig(
+    steps=60, warmup_steps=10, log_every=5, eval_every=20, checkpoint_every=20, keep_checkpoints=2
+  )
   batch_size: int = 8  # divisible by replica·fsdp
   seq_len: int = 128  # divisible by context
-  log_every: int = 5
-  eval_every: int = 20
   eval_batches: int = 2  # fixed validation batches (the same ones every time)
-  checkpoint_every: int = 20
-  keep_checkpoints: int = 2
   router_bias_rate: float = 1e-3  # DeepSeek-V3 §2.1.2 bias update speed γ
   peak_flops: float = 180e9  # for MFU: ~2 XLA:CPU cores; H100/H200 bf16 dense ~989e12
   grad_accum: int = 1  # micro-batches per step (batch_size/grad_accum divisible by replica·fsdp)
-  max_skipped_in_a_row: int = 10  # non-finite steps in a row that stop the run (unsaved); 0: never
+
+
+_WARMUP_FROM = "set train.schedule.warmup_steps, sft.schedule.warmup_steps or rl.schedule.warmup_steps"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +138,9 @@ class OptimizerConfig:
   branches: with Moonlight's 0.2·sqrt(max(m, n)) scale Muon's update RMS matches AdamW's."""
 
   learning_rate: float = 3e-3  # peak of the warmup + cosine schedule
-  warmup_steps: int = 10  # linear 0 → peak
   total_steps: int | None = None  # cosine horizon incl. warmup; None: the run's step count
+  # Not a config key: the stage's `schedule.warmup_steps`, filled in by `optimizer_for`.
+  warmup_steps: int = dataclasses.field(default=0, metadata={"derived": _WARMUP_FROM})
   min_lr_ratio: float = 0.1  # schedule ends at learning_rate · min_lr_ratio
   weight_decay: float = 0.1  # decoupled, × lr; Muon matrices and Adam matrices (not norms)
   muon_beta: float = 0.95
@@ -161,15 +181,13 @@ class SFTConfig:
   """
 
   init: str = "pretrain"  # the newest pretrain checkpoint (else init_from's weights) | "random": a fresh init
-  steps: int = 300
+  schedule: ScheduleConfig = ScheduleConfig(
+    steps=300, warmup_steps=10, log_every=20, eval_every=0, checkpoint_every=100, keep_checkpoints=1
+  )
   batch_size: int = 16  # rows per step
   pack_len: int = 256  # > 0: each row packs random demos up to this many tokens (~2); 0: one demo per row
   demos: int = 2000  # demonstrations generated once (seeded); batches sample from them
   lr: float = 3e-3
-  warmup_steps: int = 10
-  log_every: int = 20
-  checkpoint_every: int = 100
-  keep_checkpoints: int = 1
   mistake_fraction: float = 0.3  # toy.demonstrations: share of demos with an invalid call + error
   hint_fraction: float = 0.7  # of those, share followed by the hint message
   router_bias_rate: float = 1e-3
@@ -200,7 +218,11 @@ class RLConfig:
   env: str = "stale"  # "stale" | "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
   # The one-command default: the stale-docs env, RL alone vs RL + feedback on the same seeds in minutes
   # (benchmarks/RESULTS.md, issue 13; at 20 steps seed 7's lead was small). Toy env: problems_per_step=32.
-  steps: int = 30
+  # eval_every: the fixed problem set, at step 0 and every N steps. Warm-up 3: a fresh optimizer state's
+  # first steps are its largest.
+  schedule: ScheduleConfig = ScheduleConfig(
+    steps=30, warmup_steps=3, log_every=1, eval_every=15, checkpoint_every=10, keep_checkpoints=1
+  )
   problems_per_step: int = 8
   group_size: int = 8  # rollouts per problem (one group = one problem seed)
   objective: str = "drgrpo"  # rl.objectives.OBJECTIVES
@@ -224,11 +246,9 @@ class RLConfig:
   # weights (= the policy at rollout time: one update per batch; prefix KV reused); "ema": an EMA copy
   teacher_ema_rate: float = 0.01  # "ema": teacher ← (1 − rate)·teacher + rate·params after each step
   dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal leave the policy loss
-  eval_every: int = 15  # the fixed problem set, at step 0 and every N steps; 0 off
-  eval_problems: int = 64
+  eval_problems: int = 64  # the fixed problem set's size (schedule.eval_every: how often)
   # optimisation
   lr: float = 3e-4  # Muon: 1e-3 lowered the reward, 3e-4 with 32 x 8 rollouts raised it
-  warmup_steps: int = 3  # a fresh optimizer state's first steps are its largest
   router_bias_rate: float = 1e-3  # aux-loss-free balancing: the router bias moves by the batch's load
   # sampling and episodes
   temperature: float = 1.0
@@ -239,9 +259,6 @@ class RLConfig:
   batch_min_len: int = 256  # a step's batch is padded to a power of two ≥ this: fewer shapes to compile
   # bookkeeping
   seed: int = 0
-  log_every: int = 1
-  checkpoint_every: int = 10
-  keep_checkpoints: int = 1
   # R3 (arXiv 2510.11370): record the sampler's experts per token and replay them in the training forward.
   routing_replay: bool = False
   compare_without_feedback: bool = True  # stage rl: then the same run with lambda_feedback 0, same seeds
@@ -321,41 +338,52 @@ class Config:
 
 
 def optimizer_for(
-  ocfg: OptimizerConfig, steps: int, *, lr: float | None = None, warmup: int | None = None, **fields: Any
+  ocfg: OptimizerConfig, schedule: ScheduleConfig, *, lr: float | None = None, **fields: Any
 ) -> OptimizerConfig:
-  """`ocfg` with a schedule for a run of `steps` steps: `total_steps` None becomes `steps`, warm-up is cut
-  to `total_steps - 1` for very short runs (optax needs a positive decay length)."""
-  total = max(ocfg.total_steps or steps, 2)
-  warmup = ocfg.warmup_steps if warmup is None else warmup
+  """`ocfg` resolved for a run of `schedule`: `total_steps` None becomes `schedule.steps`, and the warm-up
+  is `schedule.warmup_steps`, cut to `total_steps - 1` for very short runs (optax needs a positive decay
+  length)."""
+  total = max(ocfg.total_steps or schedule.steps, 2)
   lr = ocfg.learning_rate if lr is None else lr
-  return dataclasses.replace(
-    ocfg, learning_rate=lr, total_steps=total, warmup_steps=min(warmup, total - 1), **fields
-  )
+  warmup = min(schedule.warmup_steps, total - 1)
+  return dataclasses.replace(ocfg, learning_rate=lr, total_steps=total, warmup_steps=warmup, **fields)
 
 
 def stage_optimizer(
-  ocfg: OptimizerConfig, steps: int, *, lr: float, warmup: int, min_lr_ratio: float
+  ocfg: OptimizerConfig, schedule: ScheduleConfig, *, lr: float, min_lr_ratio: float
 ) -> OptimizerConfig:
-  """`ocfg` with a stage's own learning rate and a schedule over exactly its `steps` (sft, rl)."""
+  """`ocfg` with a stage's own learning rate and a schedule over exactly its steps (sft, rl)."""
   return optimizer_for(
-    dataclasses.replace(ocfg, total_steps=None), steps, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio
+    dataclasses.replace(ocfg, total_steps=None), schedule, lr=lr, min_lr_ratio=min_lr_ratio
   )
 
 
 # Fields that say how long or how often, not what is trained: a checkpoint is continued across a change
-# of these (an extended run), so they stay out of the records that checkpoints are matched on.
+# of these (an extended run), so they stay out of the records that checkpoints are matched on. A
+# schedule's `warmup_steps` is not one of them: it shapes the learning rate of the steps already taken.
 CADENCE = ("steps", "total_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
-CADENCE += ("eval_problems", "eval_batches", "compare_without_feedback")
+CADENCE += ("max_skipped_in_a_row", "eval_problems", "eval_batches", "compare_without_feedback")
 
 
 def identity(section: Any) -> dict:
-  """A section's fields as a plain dict without its `CADENCE` fields (what a checkpoint must match)."""
-  return {k: v for k, v in plain(section).items() if k not in CADENCE}
+  """A section's fields as a plain dict without its `CADENCE` fields, in nested sections too (its
+  `schedule`): what a checkpoint must match."""
+
+  def keep(tree: dict) -> dict:
+    return {k: keep(v) if isinstance(v, dict) else v for k, v in tree.items() if k not in CADENCE}
+
+  return keep(plain(section))
+
+
+def cadence_paths(section: str) -> tuple[str, ...]:
+  """The dotted paths of `section`'s `CADENCE` fields, its schedule's included (a stage's `extends`)."""
+  return tuple(f"{section}.{inner}{k}" for inner in ("", "schedule.") for k in CADENCE)
 
 
 def pretrain_optimizer(config: Config) -> OptimizerConfig:
-  """The pretrain stage's optimizer: `config.optim` over `train.steps` unless `total_steps` is set."""
-  return optimizer_for(config.optim, config.train.steps)
+  """The pretrain stage's optimizer: `config.optim` over `train.schedule` (its horizon: `total_steps`, when
+  set)."""
+  return optimizer_for(config.optim, config.train.schedule)
 
 
 # ModelConfig fields that say how to compute, not what: kept from `model` when `init_from` sets the shapes.

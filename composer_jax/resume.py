@@ -143,7 +143,7 @@ def _covered(key: str, paths: tuple[str, ...]) -> bool:
 
 
 def _changed(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-  """(dotted key, saved value, current value) where they differ, e.g. [('rl.steps', 20, 30)]."""
+  """(dotted key, saved value, current value) where they differ, e.g. [('rl.schedule.steps', 20, 30)]."""
 
   def flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):

@@ -6,7 +6,7 @@
   python run.py --config=experiments/composer25.py --config.model.n_layers=2 --config.demo.decode_tokens=4
   python run.py --config=experiments/composer25.py --config.mesh.dense='(2,2,2)' --workdir=runs/tiny_2x2x2
   python run.py --config=experiments/composer25.py --config.stages=demo               # tiny: ~a minute
-  python run.py --config=experiments/composer25.py --config.stages=pretrain --config.train.steps=400
+  python run.py --config=experiments/composer25.py --config.stages=pretrain --config.train.schedule.steps=400
 
 Every default lives in the dataclasses of `composer_jax/configs.py` (the tiny CPU run); this file only
 says what each variant changes. An unknown key (`--config.rl.stepz=3`) fails at once, naming the key.
@@ -20,7 +20,7 @@ over, their old outputs moved to <workdir>/stages/previous/.
   demo      build the sharded model on both meshes, print the parameter/sharding table, one forward
             pass, greedy-decode a few tokens.
   pretrain  next-token training on the stdlib corpus (built under <workdir>/tfds), sharded Muon +
-            AdamW, validation every `train.eval_every` steps, checkpoints in <workdir>/checkpoints
+            AdamW, validation every `train.schedule.eval_every` steps, checkpoints in <workdir>/checkpoints
             (rerun the same command to resume; Ctrl-C saves first), metrics in <workdir>/metrics.
   synth     feature-deletion coding tasks from `synth.sources` (pinned PyPI sdists, cached under
             <workdir>/synth_sources; tiny: 2 tasks of inflection) and `synth.local_dir`: one progress line
@@ -43,7 +43,7 @@ over, their old outputs moved to <workdir>/stages/previous/.
   python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.feedback_mode=advantage \\
       --config.rl.lambda_feedback=1.0
   python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.env=coding \\
-      --config.rl.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2   # after stage synth
+      --config.rl.schedule.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2  # after synth
 
 Variants:
   tiny           CPU default (all stages: 6 min 49 s on 2 idle cores). Dense mesh (replica=4,
@@ -117,6 +117,9 @@ def _cluster(config: configs.Config) -> configs.Config:
   per replica·fsdp device, each up to 4096 tokens with turns of up to 512."""
   replica, fsdp, _ = config.mesh.dense
   rows = replica * fsdp
+  schedule = dataclasses.replace(
+    config.train.schedule, steps=10_000, warmup_steps=500, log_every=10, eval_every=500, checkpoint_every=500
+  )
   rl = configs.RLConfig(
     problems_per_step=rows // 8, group_size=8, feedback_rows=rows, cache_len=4096, max_turn_tokens=512
   )
@@ -126,15 +129,12 @@ def _cluster(config: configs.Config) -> configs.Config:
     stages="demo,pretrain",
     model=dataclasses.replace(config.model, remat="full"),
     train=configs.TrainConfig(
-      steps=10_000,
+      schedule=schedule,
       batch_size=256,
       seq_len=4096,
-      log_every=10,
-      eval_every=500,
-      checkpoint_every=500,
       peak_flops=989e12,
     ),  # fmt: skip
-    optim=configs.OptimizerConfig(learning_rate=3e-4, warmup_steps=500, muon_dtype="bfloat16"),
+    optim=configs.OptimizerConfig(learning_rate=3e-4, muon_dtype="bfloat16"),
     data=configs.DataConfig(tokenizer="bpe"),
     synth=configs.SynthConfig(
       sources="toolz,boltons,cachetools,tabulate,humanize,inflection", max_tasks_per_source=None

@@ -19,8 +19,13 @@ def get_config(arg: str = "") -> object:
     stages="pretrain",
     model=dataclasses.replace(TINY, vocab_size=272),  # the byte tokenizer's 267 ids fit
     train=configs.TrainConfig(
-      steps=8, batch_size=4, seq_len=32, log_every=1, eval_every=100, eval_batches=1, checkpoint_every=2
+      schedule=configs.ScheduleConfig(
+        steps=8, warmup_steps=1, log_every=1, eval_every=100, checkpoint_every=2, keep_checkpoints=2
+      ),
+      batch_size=4,
+      seq_len=32,
+      eval_batches=1,
     ),
-    optim=configs.OptimizerConfig(learning_rate=1e-2, warmup_steps=1),
+    optim=configs.OptimizerConfig(learning_rate=1e-2),
   )
   return configs.to_config_dict(config)

@@ -118,7 +118,8 @@ def test_demo_runs_the_checkpoint_weights(hf_dir, corpus_dir, tmp_path, meshes):
 
 def test_pretrain_starts_from_the_checkpoint(hf_dir, corpus_dir, tmp_path):
   """lr 0 and no router-bias moves: two steps leave the weights exactly the checkpoint's."""
-  c = _config(hf_dir, corpus_dir, "pretrain", steps=2, router_bias_rate=0.0, checkpoint_every=2)
+  c = _config(hf_dir, corpus_dir, "pretrain", router_bias_rate=0.0)
+  c.train.schedule.update(steps=2, checkpoint_every=2)
   c.optim.update(learning_rate=0.0, weight_decay=0.0, qk_clip_tau=0.0)
   out = pipeline.run(c, str(tmp_path))["pretrain"]
   assert out["steps"] == 2 and np.isfinite(out["last_train_loss"])
@@ -143,8 +144,10 @@ def _chat_config(hf_dir, corpus_dir, stages: str, mesh=((4, 1, 2), (8, 1))):
   c.mesh.dense, c.mesh.expert = mesh
   c.optim.update(weight_decay=0.0, qk_clip_tau=0.0)
   # Rows divide replica·fsdp on either mesh (4 on (4, 1, 2), 4 on (2, 2, 2)).
-  c.sft.update(steps=2, lr=0.0, batch_size=4, pack_len=0, demos=8, eval_problems=4, router_bias_rate=0.0)
-  c.rl.update(steps=1, problems_per_step=2, group_size=2, eval_every=0, feedback_rows=4, cache_len=512)
+  c.sft.update(lr=0.0, batch_size=4, pack_len=0, demos=8, eval_problems=4, router_bias_rate=0.0)
+  c.sft.schedule.steps = 2
+  c.rl.update(problems_per_step=2, group_size=2, feedback_rows=4, cache_len=512)
+  c.rl.schedule.update(steps=1, eval_every=0)
   c.gate.update(min_flagged=1, samples=2, rollouts_per_batch=4, max_batches=1, required=False)  # rl after it
   return c
 

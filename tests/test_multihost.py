@@ -63,7 +63,8 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_one_save(tmp_pat
   corpus = tiny.write_corpus(tmp_path / "src")
   (tmp_path / "logs").mkdir()
   argv = ["run.py", "--config=tests/small_experiment.py", f"--workdir={tmp_path / 'w'}"]
-  argv += [f"--config.data.src_dir={corpus}", "--config.train.steps=200", "--config.train.checkpoint_every=0"]
+  argv += [f"--config.data.src_dir={corpus}", "--config.train.schedule.steps=200"]
+  argv += ["--config.train.schedule.checkpoint_every=0"]
   procs = multihost.launch(argv, 2, logs=tmp_path / "logs")
   try:
     _wait_for(tmp_path / "logs" / "process_0.log", r"\[pretrain\] step 2/200", timeout=400)

@@ -29,7 +29,7 @@ def fake_stages(monkeypatch):
     def fn(config, workdir):
       calls.append(name)
       pathlib.Path(workdir, out).write_text("{}")
-      return {"loss": float(config.demo.batch), "uniform_loss": 6.9, "steps": config.sft.steps}
+      return {"loss": float(config.demo.batch), "uniform_loss": 6.9, "steps": config.sft.schedule.steps}
 
     return fn
 
@@ -68,18 +68,26 @@ def test_finished_stage_is_skipped_and_rerun_when_its_config_changes(tmp_path, f
   assert fake_stages == ["demo"] * 3 and len(list((tmp_path / "stages" / "previous").iterdir())) == 2
 
 
-def test_rerunning_an_upstream_stage_reruns_the_stages_that_read_it(tmp_path, fake_stages):
+def test_rerunning_an_upstream_stage_reruns_the_stages_that_read_it(tmp_path, fake_stages, logs):
   c = _config("sft,rl")
   pipeline.run(c, str(tmp_path))
-  c.sft.steps = 3  # sft reruns from scratch, so rl (which starts from its checkpoint) must too
+  c.sft.schedule.steps = 3  # sft runs again (in place), so rl (which starts from its checkpoint) must too
   pipeline.run(c, str(tmp_path))
   assert fake_stages == ["sft", "rl", "sft", "rl"]
-  c.rl.steps = 1  # rl alone
+  assert (
+    "sft: config changed since it finished (sft.schedule.steps: 300 -> 3): continuing in place" in logs.text
+  )
+  c.rl.schedule.steps = 1  # rl alone
   pipeline.run(c, str(tmp_path))
   assert fake_stages == ["sft", "rl", "sft", "rl", "rl"]
+  assert "rl.schedule.steps: 30 -> 1): continuing in place" in logs.text
+  c.rl.schedule.warmup_steps = 1  # not cadence: the learning rate of the steps taken differs
+  pipeline.run(c, str(tmp_path))
+  assert fake_stages == ["sft", "rl", "sft", "rl", "rl", "rl"]
+  assert "rl.schedule.warmup_steps: 3 -> 1): starting over" in logs.text
   c.force = "sft"  # sft again with the same config: rl starts from a new checkpoint, so it reruns too
   pipeline.run(c, str(tmp_path))
-  assert fake_stages == ["sft", "rl", "sft", "rl", "rl", "sft", "rl"]
+  assert fake_stages == ["sft", "rl", "sft", "rl", "rl", "rl", "sft", "rl"]
 
 
 def test_interrupted_stage_leaves_no_marker_and_keeps_the_finished_ones(tmp_path, fake_stages, monkeypatch):
@@ -190,8 +198,10 @@ def test_synth_sft_rl_on_coding_tasks_then_all_skipped(tmp_path, monkeypatch, lo
   # which the byte tokenizer cannot decode (KeyError in the coding env: the step fails).
   c.model.update(_TINY_RL, vocab_size=267)
   # From a random init (no pretrain stage here); 0 eval problems: no evaluation.
-  c.sft.update(init="random", steps=2, batch_size=4, demos=16, log_every=1, eval_problems=0)
-  c.rl.update(env="coding", steps=1, problems_per_step=1, group_size=2, max_turns=1, max_turn_tokens=16)
+  c.sft.update(init="random", batch_size=4, demos=16, eval_problems=0)
+  c.sft.schedule.update(steps=2, log_every=1)
+  c.rl.update(env="coding", problems_per_step=1, group_size=2, max_turns=1, max_turn_tokens=16)
+  c.rl.schedule.steps = 1
   c.rl.update(cache_len=4096, lambda_feedback=0.5, compare_without_feedback=False)
   c.rl.coding.output_chars = 400
   out = pipeline.run(c, str(tmp_path))

@@ -50,7 +50,7 @@ CFG = ModelConfig(
 # (tests/test_rl_feedback_loss.py checks the selected, clipped, frozen-teacher form against references).
 RC = configs.RLConfig(
   env="toy",
-  steps=1,
+  schedule=configs.ScheduleConfig(steps=1),
   problems_per_step=2,
   group_size=2,
   max_turns=2,
@@ -329,7 +329,7 @@ def test_one_rl_step_end_to_end_and_env_failure_marks_rollout():
     return env_list, seeds, groups
 
   hooks = rl_loop.hooks(make, CFG, RC, TOK)
-  state, result = train_loop.fit(state, step, rl_loop.schedule(RC), hooks, name="rl")
+  state, result = train_loop.fit(state, step, RC.schedule, hooks, name="rl")
   assert result.failed_steps == 0 and len(result.history) == 1 and int(state.step) == 1, result
   h = result.history[0]
   assert h["failed_rollouts"] >= 1

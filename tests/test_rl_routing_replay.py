@@ -52,7 +52,7 @@ CFG = ModelConfig(
   rope=RopeConfig(theta=10000.0),
 )
 RC = configs.RLConfig(
-  steps=1,
+  schedule=configs.ScheduleConfig(steps=1),
   problems_per_step=2,
   group_size=2,
   max_turns=2,

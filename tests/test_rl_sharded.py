@@ -44,7 +44,7 @@ def _run(meshes, batch, params):
   # ~1e-8) turns float-order differences of its gradient into lr-sized ones. What is under test is the
   # sharding, so eps sits well above that noise floor.
   ocfg = configs.OptimizerConfig(adam_eps=1e-4)
-  ocfg = configs.stage_optimizer(ocfg, 10, lr=1e-2, warmup=0, min_lr_ratio=1.0)
+  ocfg = configs.stage_optimizer(ocfg, configs.ScheduleConfig(steps=10), lr=1e-2, min_lr_ratio=1.0)
   tx = rl_step.teacher_optimizer(optim.build_optimizer(CFG, ocfg, meshes), RC)
   if meshes is not None:
     params = jax.device_put(params, sharding.param_shardings(model.logical_axes(CFG), params, meshes))

@@ -140,10 +140,10 @@ def test_signals_at_random_points_many_times(straight, corpus_dir, tmp_path, see
 
 
 def test_raising_steps_trains_on_and_a_refused_change_damages_nothing(straight, corpus_dir, tmp_path):
-  first = _run(tmp_path, corpus_dir, "--config.train.steps=4")
+  first = _run(tmp_path, corpus_dir, "--config.train.schedule.steps=4")
   assert first.returncode == 0, first.stderr[-3000:]
   marker = json.loads((tmp_path / "stages" / "pretrain.json").read_text())
-  more = _run(tmp_path, corpus_dir, "--config.train.steps=6")
+  more = _run(tmp_path, corpus_dir, "--config.train.schedule.steps=6")
   assert more.returncode == 0, more.stderr[-3000:]
   assert "continuing in place" in more.stderr and "re-derived over 6 steps, not 4" in more.stderr
   extended = json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"]
@@ -155,12 +155,14 @@ def test_raising_steps_trains_on_and_a_refused_change_damages_nothing(straight, 
   assert sorted(logged) == [1, 2, 3, 4, 5, 6] and logged[1] == marker["summary"]["first_train_loss"]
   assert (extended["first_train_loss"], extended["last_train_loss"]) == (logged[5], logged[6])
 
-  refused = _run(tmp_path, corpus_dir, "--config.train.steps=6", "--config.optim.learning_rate=0.5")
+  refused = _run(tmp_path, corpus_dir, "--config.train.schedule.steps=6", "--config.optim.learning_rate=0.5")
   last = refused.stderr.strip().splitlines()[-1]
   assert refused.returncode == 2 and "optim.learning_rate: checkpoint 0.01, now 0.5" in last, refused.stderr[
     -2000:
   ]
-  again = _run(tmp_path, corpus_dir, "--config.train.steps=6")  # the refused try left the marker alone
+  again = _run(
+    tmp_path, corpus_dir, "--config.train.schedule.steps=6"
+  )  # the refused try left the marker alone
   assert again.returncode == 0 and "with this config: skipped" in again.stderr
   assert json.loads((tmp_path / "stages" / "pretrain.json").read_text())["summary"] == extended
 
@@ -206,7 +208,7 @@ def test_a_full_disk_stops_the_run_at_once_and_leaves_no_partial_checkpoint(stra
 def test_a_full_final_save_is_one_line_and_keeps_the_last_checkpoint(corpus_dir, tmp_path):
   """Room for one checkpoint (0.7-0.95 MB each): step 4's save completes, the final one (step 8) fails
   while the stage closes its checkpointer, which used to end in orbax's traceback."""
-  p, listing = _on_a_full_disk(tmp_path, corpus_dir, 1500, "--config.train.checkpoint_every=4")
+  p, listing = _on_a_full_disk(tmp_path, corpus_dir, 1500, "--config.train.schedule.checkpoint_every=4")
   assert "saving a checkpoint" in p.stderr.strip().splitlines()[-1] and "kept: [4]" in p.stderr
   top = listing.split("\n\n")[0].split()
   assert "4" in top and "8" not in top and "orbax-checkpoint-tmp" not in listing
@@ -262,7 +264,7 @@ def test_bad_workdir_and_config_conflicts_are_one_line(corpus_dir, tmp_path):
     (["--config.train.batch_size=6"], "must be divisible by replica·fsdp = 4"),
     (["--config.data.tokenizer=bpe"], "has 4096 ids but model.vocab_size is 272"),
     (["--config.stages=pretrain,rl", "--config.rl.objective=ppo"], "rl.objective 'ppo'"),
-    (["--config.train.steps=-5"], "train.steps=-5 must be > 0"),
+    (["--config.train.schedule.steps=-5"], "train.schedule.steps=-5 must be > 0"),
     (["--config.optim.learning_rate=nan"], "optim.learning_rate=nan must be a finite number"),
   ]
   for extra, message in cases:
@@ -286,7 +288,7 @@ def test_bad_workdir_and_config_conflicts_are_one_line(corpus_dir, tmp_path):
 
 def test_one_device(corpus_dir, tmp_path):
   """The README's single-device flags: both meshes of size 1 (run.py then makes one CPU device)."""
-  one = ["--config.mesh.dense=(1,1,1)", "--config.mesh.expert=(1,1)", "--config.train.steps=2"]
+  one = ["--config.mesh.dense=(1,1,1)", "--config.mesh.expert=(1,1)", "--config.train.schedule.steps=2"]
   p = _run(tmp_path, corpus_dir, *one)
   assert p.returncode == 0, p.stderr[-3000:]
   assert "1 local of 1 cpu devices" in p.stderr

@@ -18,10 +18,11 @@ from composer_jax import checks, configs, lock, pipeline, report, stages
 @pytest.mark.parametrize(
   "key, value, says",
   [
-    ("train.steps", -5, "train.steps=-5 must be > 0"),
-    ("sft.steps", -1, "sft.steps=-1 must be > 0"),
-    ("rl.steps", 0, "rl.steps=0 must be > 0"),
-    ("train.eval_every", -1, "train.eval_every=-1 must be >= 0"),
+    ("train.schedule.steps", -5, "train.schedule.steps=-5 must be > 0"),
+    ("sft.schedule.steps", -1, "sft.schedule.steps=-1 must be > 0"),
+    ("rl.schedule.steps", 0, "rl.schedule.steps=0 must be > 0"),
+    ("train.schedule.eval_every", -1, "train.schedule.eval_every=-1 must be >= 0"),
+    ("rl.schedule.warmup_steps", -2, "rl.schedule.warmup_steps=-2 must be >= 0"),
     ("optim.learning_rate", float("nan"), "optim.learning_rate=nan must be a finite number"),
     ("sft.lr", float("inf"), "sft.lr=inf must be a finite number"),
     ("rl.lr", -1e-3, "rl.lr=-0.001 must be >= 0"),
@@ -30,8 +31,11 @@ from composer_jax import checks, configs, lock, pipeline, report, stages
 )
 def test_unusable_numbers_are_refused_before_any_work(tmp_path, fake_stages, key, value, says):  # noqa: F811
   c = _config("demo,sft")
-  section, field = key.split(".")
-  setattr(c[section], field, value)
+  *sections, field = key.split(".")
+  node = c
+  for section in sections:
+    node = node[section]
+  setattr(node, field, value)
   with pytest.raises(configs.ConfigError, match=r"^" + says.replace("[", r"\[").replace("]", r"\]")):
     pipeline.run(c, str(tmp_path))
   assert fake_stages == [] and not (tmp_path / "stages").exists()
@@ -89,7 +93,11 @@ def test_a_failed_gate_stops_rl_unless_not_required(tmp_path, fake_stages, monke
   text = report.text(json.loads((tmp_path / "summary.json").read_text()))
   assert "WARNING: stage gate FAILED (G1, G3): rl ran anyway (gate.required=False)" in text
 
-  c.gate.required, c.sft.steps, c.stages = True, 7, "sft,rl"  # a new SFT checkpoint: old verdict stale
+  c.gate.required, c.sft.schedule.steps, c.stages = (
+    True,
+    7,
+    "sft,rl",
+  )  # a new SFT checkpoint: old verdict stale
   pipeline.run(c, str(tmp_path))
   assert fake_stages == ["sft", "gate", "rl", "sft", "rl"]
 

@@ -151,9 +151,10 @@ def test_two_processes_train_like_one(tmp_path):
   steps = 3
   args = [
     sys.executable, str(_ROOT / "run.py"), f"--config={_EXPERIMENT}", "--config.stages=pretrain",
-    "--config.model.n_layers=2", f"--config.train.steps={steps}", "--config.train.seq_len=64",
-    f"--config.train.eval_every={steps}", "--config.train.eval_batches=1", "--config.train.log_every=1",
-    f"--config.train.checkpoint_every={steps}", "--config.data.max_files=40",
+    "--config.model.n_layers=2", f"--config.train.schedule.steps={steps}", "--config.train.seq_len=64",
+    f"--config.train.schedule.eval_every={steps}", "--config.train.eval_batches=1",
+    "--config.train.schedule.log_every=1", f"--config.train.schedule.checkpoint_every={steps}",
+    "--config.data.max_files=40",
   ]  # fmt: skip
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_COMPILATION_CACHE_DIR"}
   env["JAX_PLATFORMS"] = "cpu"

@@ -48,10 +48,9 @@ def _config(src_dir: str, steps: int, **optim) -> ml_collections.ConfigDict:
   c.stages = "pretrain"
   c.model = ml_collections.ConfigDict(dataclasses.asdict(CFG))
   c.data.src_dir = src_dir
-  c.train.update(
-    steps=steps, batch_size=4, seq_len=32, log_every=1, eval_every=steps, eval_batches=1, checkpoint_every=2
-  )
-  c.optim.update({"learning_rate": 1e-2, "warmup_steps": 1, "total_steps": 8, **optim})
+  c.train.update(batch_size=4, seq_len=32, eval_batches=1)
+  c.train.schedule.update(steps=steps, warmup_steps=1, log_every=1, eval_every=steps, checkpoint_every=2)
+  c.optim.update({"learning_rate": 1e-2, "total_steps": 8, **optim})
   return c
 
 

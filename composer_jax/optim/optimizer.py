@@ -86,9 +86,10 @@ def _is_dn(x: Any) -> bool:
 def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   """Linear warmup 0 → learning_rate, then cosine to learning_rate · min_lr_ratio (both branches).
 
-  `cfg.total_steps` must be set (`configs.optimizer_for` fills it from the run's step count)."""
+  `cfg.total_steps` must be set: `configs.optimizer_for(cfg, schedule)` fills it from the stage's step count
+  and `cfg.warmup_steps` from its `schedule.warmup_steps`."""
   if cfg.total_steps is None:
-    raise ValueError("OptimizerConfig.total_steps is None: resolve it with configs.optimizer_for(cfg, steps)")
+    raise ValueError("OptimizerConfig.total_steps is None: resolve it with configs.optimizer_for")
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=cfg.learning_rate,

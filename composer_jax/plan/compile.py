@@ -121,7 +121,7 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   from composer_jax.rl.loss import LossSettings  # noqa: PLC0415
 
   cfg, r = config.model, config.rl
-  ocfg = configs.stage_optimizer(config.optim, r.steps, lr=r.lr, warmup=r.warmup_steps, min_lr_ratio=1.0)
+  ocfg = configs.stage_optimizer(config.optim, r.schedule, lr=r.lr, min_lr_ratio=1.0)
   tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, meshes), r)
   state = train_state.abstract_state(cfg, tx, meshes)
   step = step_lib.make_step(

@@ -1,7 +1,7 @@
 """The hooks that make `train.loop.fit` RL: rollouts → batch at every step, fixed-set evaluations.
 
   hooks = rl.loop.hooks(make_envs, cfg, rcfg, tok, meshes=meshes, evaluate=...)
-  state, result = train.loop.fit(state, step, train.loop.Schedule(rcfg.steps, ...), hooks, name="rl")
+  state, result = train.loop.fit(state, step, rcfg.schedule, hooks, name="rl")
 
 Each step s draws its problems and sampling key as pure functions of (seed, s) (`make_envs(s)`), so a
 resumed run continues the same run. A step whose rollouts or update raise is logged, counted in
@@ -56,7 +56,7 @@ def hooks(
   """RL's hooks: the step's P × G rollouts (`make_envs(step)` gives envs, seeds, group ids) sampled by
   the current params through `engine` (default: the KV-cache sampler on `meshes`), their batch (with the
   teacher's inputs when λ > 0), and the progress line. `evaluate(params)` scores the policy on a fixed
-  problem set before the first step and every `eval_every` steps: the per-step training reward mixes
+  problem set before the first step and every `schedule.eval_every` steps: the per-step training reward mixes
   policy and problem difficulty (each step draws new problems), the fixed set separates them. `common`:
   the stage-independent hooks (check, writer)."""
   rules = feedback_rules(rcfg) if rules is None else rules
@@ -87,16 +87,12 @@ def hooks(
   return loop.Hooks(
     next_batch=next_batch,
     describe=_describe,
-    evaluate=None if evaluate is None or rcfg.eval_every <= 0 else _prefixed(evaluate),
+    evaluate=None if evaluate is None or rcfg.schedule.eval_every <= 0 else _prefixed(evaluate),
     save=None if save is None else lambda st, step, final: save(st, final),
     tolerate_failures=True,
     sync=True,
     **common,
   )
-
-
-def schedule(rcfg: RLConfig) -> loop.Schedule:
-  return loop.Schedule(rcfg.steps, rcfg.log_every, rcfg.eval_every, rcfg.checkpoint_every)
 
 
 def _prefixed(evaluate: Callable[[Any], dict[str, float]]) -> Callable[[TrainState], dict[str, float]]:

@@ -24,7 +24,7 @@ from composer_jax.stages.record import Interrupted, Stage
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
-  """Trains `config.train.steps` steps (resuming from the newest checkpoint); returns the summary."""
+  """Trains `config.train.schedule.steps` steps (resuming from the newest checkpoint); returns the summary."""
   from composer_jax import train
   from composer_jax.data import corpus, tokenizer  # tfds: imported only by the stages that read data
   from composer_jax.train import loop, metrics
@@ -44,7 +44,8 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   model_record = {k: v for k, v in configs.plain(cfg).items() if k != "context_load_balance"}
   record = configs.record(
     model=model_record | {"remat": "none"},
-    optim=configs.identity(ocfg),  # the schedule's horizon is not part of it: `train.steps` may grow
+    # Its warm-up (train.schedule.warmup_steps, resolved) is part of it, the horizon is not: steps may grow.
+    optim=configs.identity(ocfg),
     data=d,
     batch=dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len),
     seed=config.seed,
@@ -64,7 +65,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   logging.info("[pretrain] %s active params/token, %dx%d tokens/step", f"{n_active:,}", *shape.values())
   notes = {"total_steps": ocfg.total_steps}
   ckpt_dir, metrics_dir = pathlib.Path(workdir, "checkpoints"), pathlib.Path(workdir, "metrics")
-  with outputs.opened(ckpt_dir, record, tcfg.keep_checkpoints, metrics_dir, notes) as out:
+  with outputs.opened(ckpt_dir, record, tcfg.schedule.keep_checkpoints, metrics_dir, notes) as out:
     state, data_state = outputs.resume(out, state, "pretrain", ocfg)
     if data_state is not None:
       train_iter.set_state(data_state)
@@ -74,11 +75,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
       save=lambda st, data_state, final: out.ckpt.save(st, data_state, force=final),
       check=out.check, writer=out.writer,
     )  # fmt: skip
-    schedule = loop.Schedule(
-      tcfg.steps, tcfg.log_every, tcfg.eval_every, tcfg.checkpoint_every,
-      max_skipped_in_a_row=tcfg.max_skipped_in_a_row,
-    )  # fmt: skip
-    state, result = loop.fit(state, train_step, schedule, hooks, name="pretrain")
+    state, result = loop.fit(state, train_step, tcfg.schedule, hooks, name="pretrain")
   if result.interrupted:
     raise Interrupted(f"pretrain stopped at step {result.steps} and saved its checkpoint")
   summary = _summary(result)

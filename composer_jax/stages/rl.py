@@ -28,9 +28,7 @@ from composer_jax.stages.record import Interrupted, Stage
 
 
 def rl_optimizer(config: Config, rcfg: RLConfig) -> configs.OptimizerConfig:
-  return configs.stage_optimizer(
-    config.optim, rcfg.steps, lr=rcfg.lr, warmup=rcfg.warmup_steps, min_lr_ratio=1.0
-  )
+  return configs.stage_optimizer(config.optim, rcfg.schedule, lr=rcfg.lr, min_lr_ratio=1.0)
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
@@ -64,19 +62,21 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
     model=cfg, optim=configs.identity(ocfg), rl=configs.identity(rcfg), seed=config.seed
   )
   make_envs = factories.factory(rcfg, workdir, pathlib.Path(workdir, f"{name}_episodes"))
-  evaluate = None  # the fixed problem set (rl.eval_every, rl.eval_problems): step-to-step noise-free progress
-  if rcfg.env in factories.MAKE_ONE and rcfg.eval_every > 0:
+  # the fixed problem set (rl.schedule.eval_every, rl.eval_problems): step-to-step noise-free progress
+  evaluate = None
+  if rcfg.env in factories.MAKE_ONE and rcfg.schedule.eval_every > 0:
     evaluate = functools.partial(
       rollout.evaluate, cfg=cfg, rcfg=rcfg, tok=tok, meshes=meshes, n=rcfg.eval_problems
     )
   metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
   notes = {"total_steps": ocfg.total_steps}
-  with outputs.opened(pathlib.Path(workdir, name), record, rcfg.keep_checkpoints, metrics_dir, notes) as out:
+  keep = rcfg.schedule.keep_checkpoints
+  with outputs.opened(pathlib.Path(workdir, name), record, keep, metrics_dir, notes) as out:
     state, source = _start(config, workdir, name, out, tx, meshes, ocfg)
     logging.info(
       "[%s] weights from %s; env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s "
       "(%s, %s form, %s teacher, %s tokens, %s hint)",
-      name, source, rcfg.env, rcfg.steps, rcfg.problems_per_step, rcfg.group_size, rcfg.objective,
+      name, source, rcfg.env, rcfg.schedule.steps, rcfg.problems_per_step, rcfg.group_size, rcfg.objective,
       rcfg.advantage, rcfg.lambda_feedback, rcfg.divergence, rcfg.feedback_mode, rcfg.teacher,
       rcfg.feedback_tokens, rcfg.hint,
     )  # fmt: skip
@@ -89,7 +89,7 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
       make_envs, cfg, rcfg, tok, meshes=meshes, evaluate=evaluate, save=out.save, check=out.check,
       writer=out.writer,
     )  # fmt: skip
-    state, result = train_loop.fit(state, train_step, loop.schedule(rcfg), hooks, name=name)
+    state, result = train_loop.fit(state, train_step, rcfg.schedule, hooks, name=name)
   if result.interrupted:
     raise Interrupted(f"{name} stopped at step {result.steps} and saved its checkpoint")
   summary = result.summary("reward", "eval_reward")
@@ -280,7 +280,7 @@ STAGE = Stage(
   depends=("seed", "model", "optim", "rl", "data.tokenizer", "init_from"),
   outputs=("rl", "rl_metrics", "rl_episodes", "rl_nofb", "rl_nofb_metrics", "rl_nofb_episodes", "rl.json"),
   upstream=lambda config: ("sft", "synth") if config.rl.env == "coding" else ("sft",),
-  extends=tuple(f"rl.{k}" for k in configs.CADENCE),
+  extends=configs.cadence_paths("rl"),
   summarize=_summarize,
   lines=_lines,
 )

@@ -29,7 +29,7 @@ INITS = ("pretrain", "random")
 
 def sft_optimizer(config: Config) -> configs.OptimizerConfig:
   s = config.sft
-  return configs.stage_optimizer(config.optim, s.steps, lr=s.lr, warmup=s.warmup_steps, min_lr_ratio=0.1)
+  return configs.stage_optimizer(config.optim, s.schedule, lr=s.lr, min_lr_ratio=0.1)
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
@@ -50,7 +50,8 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     model=cfg, optim=configs.identity(ocfg), sft=configs.identity(scfg), seed=config.seed
   )
   metrics_dir, notes = pathlib.Path(workdir, "sft_metrics"), {"total_steps": ocfg.total_steps}
-  with outputs.opened(pathlib.Path(workdir, "sft"), record, scfg.keep_checkpoints, metrics_dir, notes) as out:
+  keep = scfg.schedule.keep_checkpoints
+  with outputs.opened(pathlib.Path(workdir, "sft"), record, keep, metrics_dir, notes) as out:
     state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
     state, resumed = outputs.resume(out, state, "sft", ocfg)
     start: dict[str, Any] = {"init": f"resumed at step {int(state.step)}"}
@@ -58,7 +59,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
       state, start = _fresh_state(config, workdir, state, tx, demos, meshes, tok.pad_id)
     logging.info(
       "[sft] %s params on %s; %d steps x %d rows", f"{sum(x.size for x in jax.tree.leaves(state.params)):,}",
-      sharding.describe(meshes), scfg.steps, scfg.batch_size,
+      sharding.describe(meshes), scfg.schedule.steps, scfg.batch_size,
     )  # fmt: skip
     rows = sft.make_batch(demos, scfg, config.seed, 1, tok.pad_id)
     step = step_lib.make_step(
@@ -70,8 +71,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
       demos, scfg, seed=config.seed, meshes=meshes, pad_id=tok.pad_id, save=out.save, check=out.check,
       writer=out.writer,
     )  # fmt: skip
-    schedule = loop.Schedule(scfg.steps, scfg.log_every, 0, scfg.checkpoint_every)
-    state, result = loop.fit(state, step, schedule, hooks, name="sft")
+    state, result = loop.fit(state, step, scfg.schedule, hooks, name="sft")
   if result.interrupted:
     raise Interrupted(f"sft stopped at step {result.steps} and saved its checkpoint")
   s = result.summary("loss")
@@ -190,7 +190,7 @@ STAGE = Stage(
   doc="SFT of the pretrained model on tool-use demonstrations (both meshes)",
   depends=("seed", "model", "optim", "sft", "data.tokenizer", "init_from")
   + tuple(f"rl.{k}" for k in _ROLLOUT_FIELDS),
-  extends=tuple(f"sft.{k}" for k in configs.CADENCE),
+  extends=configs.cadence_paths("sft"),
   outputs=("sft", "sft_metrics", "sft.json"),
   upstream=_upstream,
   summarize=_summarize,

@@ -62,7 +62,8 @@ def checkpoint_params(
       f"{directory}/{step} holds another model (differs in {', '.join(differ) or 'its fields'}); "
       "rerun that stage with this model (or --config.force it)"
     )
-  ocfg = configs.optimizer_for(configs.from_dict(configs.OptimizerConfig, meta["config"]["optim"]), 2)
+  saved_optim = configs.from_dict(configs.OptimizerConfig, meta["config"]["optim"], derived=True)
+  ocfg = configs.optimizer_for(saved_optim, configs.ScheduleConfig(steps=2))  # the state's shapes only
   tx = optim.build_optimizer(cfg, ocfg, meshes)
   template = train.create_state(cfg, tx, jax.random.key(0), meshes)
   ck = checkpoint.Checkpointer(directory, meta["config"], keep=100)

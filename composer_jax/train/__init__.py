@@ -3,7 +3,7 @@ orbax checkpoints, JSONL/TensorBoard metrics.
 
   from composer_jax import train
   step = train.step.make_step(train.step.next_token_loss(cfg, meshes), tx, cfg, schedule=..., meshes=meshes)
-  state, result = train.loop.fit(state, step, train.loop.Schedule(steps=60), hooks, name="pretrain")
+  state, result = train.loop.fit(state, step, config.train.schedule, hooks, name="pretrain")
 """
 
 from composer_jax.train import batch, checkpoint, loop, metrics, pretrain, state, step

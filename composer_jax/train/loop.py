@@ -1,12 +1,13 @@
 """The one training loop: pretraining, SFT and RL differ only in their hooks.
 
-  result = loop.fit(state, step_fn, loop.Schedule(steps=60, log_every=5), loop.Hooks(next_batch=...))
+  result = loop.fit(state, step_fn, config.train.schedule, loop.Hooks(next_batch=...), name="pretrain")
 
 Each step: `next_batch(step, state)` gives the device batch and host-side metrics (RL rolls out here),
 `step_fn(state, batch)` dispatches the jitted step, and the *previous* step's metrics are read while
-this one runs, so the host waits on the device only to print. Every `log_every` steps a progress line
-(`describe(record)` + ETA) is logged; every `eval_every` steps `evaluate(state)`; every
-`checkpoint_every` steps and at the end `save(state, step, final)`.
+this one runs, so the host waits on the device only to print. The stage's `configs.ScheduleConfig` (its
+`schedule` section, as it is) sets the cadence: every `log_every` steps a progress line (`describe(record)`
++ ETA) is logged; every `eval_every` steps `evaluate(state)`; every `checkpoint_every` steps and at the
+end `save(state, step, final)`.
 
 Interrupts: SIGINT (Ctrl-C) and SIGTERM (what schedulers send) only set a flag while the loop runs; the
 step in flight finishes, the loop saves and returns with `interrupted=True`. A second Ctrl-C aborts at
@@ -29,20 +30,10 @@ import numpy as np
 from absl import logging
 
 from composer_jax import console
+from composer_jax.configs import ScheduleConfig
 from composer_jax.train.metrics import MetricsWriter
 
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-  steps: int  # train up to this step count
-  log_every: int = 1
-  eval_every: int = 0  # 0: no evaluation (besides none at the start)
-  checkpoint_every: int = 0  # 0: save only at the end
-  eval_at_start: bool = True  # evaluate before the first step of a fresh run (the curve's origin)
-  max_skipped_in_a_row: int = 10  # this many non-finite steps in a row stop the run (Diverged), unsaved
-  # With `Hooks.tolerate_failures`: this many failed steps in a row re-raise the last failure (a broken
-  # environment or program fails every step; a flaky one does not).
-  max_failed_in_a_row: int = 3
+Schedule = ScheduleConfig  # the loop's schedule is a stage's schedule section: one class, one set of fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +140,7 @@ def _due(step: int, every: int, last: int) -> bool:
 class _Run:
   """The bookkeeping of one `fit`: pending metrics, history, evaluation and progress lines."""
 
-  def __init__(self, schedule: Schedule, hooks: Hooks, name: str, start: int, bar: Any):
+  def __init__(self, schedule: ScheduleConfig, hooks: Hooks, name: str, start: int, bar: Any):
     self.s, self.h, self.name, self.bar = schedule, hooks, name, bar
     self.result = Result(start_step=start, steps=start)
     self.t0 = time.perf_counter()
@@ -207,9 +198,20 @@ class _Run:
 
 
 def fit(
-  state: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], schedule: Schedule, hooks: Hooks, *, name: str
+  state: Any,
+  step_fn: Callable[[Any, Any], tuple[Any, Any]],
+  schedule: ScheduleConfig,
+  hooks: Hooks,
+  *,
+  name: str,
+  eval_at_start: bool = True,
+  max_failed_in_a_row: int = 3,
 ) -> tuple[Any, Result]:
-  """Trains from `state.step` to `schedule.steps`; returns (state, Result). See the module docstring."""
+  """Trains from `state.step` to `schedule.steps`; returns (state, Result). See the module docstring.
+
+  `eval_at_start`: evaluate before the first step of a fresh run (the curve's origin). With
+  `hooks.tolerate_failures`, `max_failed_in_a_row` failed steps in a row re-raise the last failure (a
+  broken environment or program fails every step; a flaky one does not)."""
   if schedule.steps < 1:
     raise ValueError(f"[{name}] steps must be >= 1, got {schedule.steps}")
   start = int(state.step)  # read before any donation (see the module docstring)
@@ -218,7 +220,7 @@ def fit(
     hooks.writer.resume_from(start)  # a resumed run redoes the steps after its checkpoint: one record each
   with console.progress(schedule.steps, start, name) as bar, stop_on_signal(name) as stop:
     run = _Run(schedule, hooks, name, start, bar)
-    if start == 0 and schedule.eval_at_start:
+    if start == 0 and eval_at_start:
       run.evaluate(0, state)
     for s in range(start + 1, schedule.steps + 1):
       if stop.agreed():  # every process, at every step: all stop before the same one
@@ -229,7 +231,7 @@ def fit(
         state, metrics = step_fn(state, batch)  # dispatched; the previous step's metrics are read below
       except Exception as e:
         failed_in_a_row += 1
-        if not hooks.tolerate_failures or failed_in_a_row >= schedule.max_failed_in_a_row:
+        if not hooks.tolerate_failures or failed_in_a_row >= max_failed_in_a_row:
           raise
         run.result.failed_steps += 1
         logging.warning("[%s] step %d failed: %s: %s", name, s, type(e).__name__, str(e)[:300])
