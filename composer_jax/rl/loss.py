@@ -291,10 +291,8 @@ def _diagnostics(logits_BTV: jax.Array, logp_BT: jax.Array, mask_BT: jax.Array, 
   """Entropy of the policy and |sampler − trainer| log-prob gap on the trained tokens."""
   m_BT = mask_BT > 0
   n = jnp.sum(m_BT).astype(jnp.float32)
-  # Entropy at every column, then shifted onto the token it predicts: slicing the [B, T, V] logits first
-  # made XLA copy them (2.5 GiB per chip at Moonlight's RL shape).
-  logp_all_BTV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BTV).astype(jnp.float32), axis=-1)
-  ent_BT = jnp.pad(-jnp.sum(jnp.exp(logp_all_BTV) * logp_all_BTV, axis=-1)[:, :-1], ((0, 0), (1, 0)))
+  logp_all_BTV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BTV[:, :-1]).astype(jnp.float32), axis=-1)
+  ent_BT = jnp.pad(-jnp.sum(jnp.exp(logp_all_BTV) * logp_all_BTV, axis=-1), ((0, 0), (1, 0)))
   gap_BT = jnp.abs(batch.sampler_logprobs - jax.lax.stop_gradient(logp_BT))
   return {
     "entropy": (jnp.sum(jnp.where(m_BT, ent_BT, 0.0)), n),
