@@ -129,6 +129,18 @@ def test_pretrain_starts_from_the_checkpoint(hf_dir, corpus_dir, tmp_path):
   for path, leaf in _by_path(want).items():
     np.testing.assert_array_equal(_by_path(saved)[path], leaf, err_msg=path)
   assert 0 < out["first_validation_loss"] < np.log(272) + 2
+  # Extended, the run resumes from its own checkpoint without reading the Hugging Face weights again.
+  hidden = [(f, f.with_suffix(".hidden")) for f in hf_dir.glob("*.safetensors")]
+  assert hidden
+  try:
+    for f, to in hidden:
+      f.rename(to)
+    c.train.schedule.update(steps=3)
+    more = pipeline.run(c, str(tmp_path))["pretrain"]
+  finally:
+    for f, to in hidden:
+      to.rename(f)
+  assert (more["start_step"], more["steps"]) == (2, 3)
 
 
 def _by_path(tree) -> dict:

@@ -18,7 +18,7 @@ def test_restore_into_the_abstract_state_gives_the_saved_state_on_its_shardings(
   """The RL state (Muon + AdamW, a frozen teacher in the optimizer state) on both meshes, one step
   trained away from its init, saved, then restored into `train.state.abstract_state`: every leaf comes
   back equal and on the sharding the freshly created state would have."""
-  ocfg = configs.optimizer_for(configs.OptimizerConfig(learning_rate=1e-2), 4)
+  ocfg = configs.optimizer_for(configs.OptimizerConfig(learning_rate=1e-2), configs.ScheduleConfig(steps=4))
   tx = rl_step.teacher_optimizer(
     optim.build_optimizer(TINY, ocfg, meshes), configs.RLConfig(teacher="frozen")
   )

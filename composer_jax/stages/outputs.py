@@ -42,6 +42,15 @@ def opened(
       writer.close()
 
 
+def start(out: Outputs, name: str, ocfg: Any, abstract: Any, fresh: Any) -> tuple[Any, dict | None]:
+  """(state, data state): the newest good checkpoint restored into `abstract` (`train.state.
+  abstract_state`: nothing initialised or read, so a resumed run never holds a second copy of the
+  state), or (`fresh()`, None) when there is no checkpoint, e.g. an `init_from` checkpoint's weights."""
+  if out.ckpt.latest_step() is None:
+    return fresh(), None
+  return resume(out, abstract, name, ocfg)
+
+
 def resume(out: Outputs, state: Any, name: str, ocfg: Any) -> tuple[Any, dict | None]:
   """(state, data state) of the newest good checkpoint (an unreadable one is set aside, one line says so),
   or (state, None) when there is none. An extended run (more steps) logs how its schedule changed."""

@@ -39,7 +39,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   tok = tokenizer.load(d.tokenizer)
 
   tx = optim.build_optimizer(cfg, ocfg, meshes)
-  state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes, initial_params(config, meshes))
+  abstract = train.state.abstract_state(cfg, tx, meshes)
   # How to compute, not what: free to change on resume (and the balance switch absent from older records).
   model_record = {k: v for k, v in configs.plain(cfg).items() if k != "context_load_balance"}
   record = configs.record(
@@ -54,7 +54,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   train_iter = corpus.batches(splits["train"], tok, **shape, seed=config.seed)
   eval_iter = corpus.batches(splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1)
   eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes)
-  shardings = train.state.state_shardings(state)
+  shardings = train.state.state_shardings(abstract)
   train_step = step_lib.make_step(
     step_lib.next_token_loss(cfg, meshes), tx, cfg, schedule=optim.lr_schedule(ocfg), meshes=meshes,
     state_sharding=shardings, batch_sharding=_batch_sharding(tcfg, meshes),
@@ -66,7 +66,11 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   notes = {"total_steps": ocfg.total_steps}
   ckpt_dir, metrics_dir = pathlib.Path(workdir, "checkpoints"), pathlib.Path(workdir, "metrics")
   with outputs.opened(ckpt_dir, record, tcfg.schedule.keep_checkpoints, metrics_dir, notes) as out:
-    state, data_state = outputs.resume(out, state, "pretrain", ocfg)
+
+    def fresh():  # init_from's weights are read only when there is no checkpoint to resume
+      return train.create_state(cfg, tx, jax.random.key(config.seed), meshes, initial_params(config, meshes))
+
+    state, data_state = outputs.start(out, "pretrain", ocfg, abstract, fresh)
     if data_state is not None:
       train_iter.set_state(data_state)
     hooks = pt.hooks(
@@ -114,8 +118,8 @@ def _summary(r: Any) -> dict:
 
 
 def initial_params(config: Config, meshes: sharding.Meshes | None) -> Any:
-  """The `init_from` checkpoint's weights on `meshes` (None: a fresh init). Read only when there is no
-  checkpoint of this run to resume, but cheap to skip: the arrays are memory-mapped until placed."""
+  """The `init_from` checkpoint's weights on `meshes` (None: a fresh init); called only when there is
+  no checkpoint of this run to resume (`outputs.start`)."""
   if not config.init_from:
     return None
   from composer_jax import model

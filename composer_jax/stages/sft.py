@@ -52,10 +52,10 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   metrics_dir, notes = pathlib.Path(workdir, "sft_metrics"), {"total_steps": ocfg.total_steps}
   keep = scfg.schedule.keep_checkpoints
   with outputs.opened(pathlib.Path(workdir, "sft"), record, keep, metrics_dir, notes) as out:
-    state = train.create_state(cfg, tx, jax.random.key(config.seed), meshes)
-    state, resumed = outputs.resume(out, state, "sft", ocfg)
+    random_init = lambda: train.create_state(cfg, tx, jax.random.key(config.seed), meshes)  # noqa: E731
+    state, resumed = outputs.start(out, "sft", ocfg, train.state.abstract_state(cfg, tx, meshes), random_init)
     start: dict[str, Any] = {"init": f"resumed at step {int(state.step)}"}
-    if resumed is None:
+    if resumed is None:  # weights from upstream; the random init's loss on the first batch for comparison
       state, start = _fresh_state(config, workdir, state, tx, demos, meshes, tok.pad_id)
     logging.info(
       "[sft] %s params on %s; %d steps x %d rows", f"{sum(x.size for x in jax.tree.leaves(state.params)):,}",
