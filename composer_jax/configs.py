@@ -408,10 +408,13 @@ def resolve(config: Config) -> Config:
     model = ModelConfig.from_hf(json.loads((d / "config.json").read_text()), **compute)
   except ValueError as e:
     raise ConfigError(f"init_from {str(d)!r}: {e}") from None
-  data = config.data
-  if (d / "tokenizer.json").is_file():
-    data = dataclasses.replace(data, tokenizer=str(d))
-  return dataclasses.replace(config, model=model, data=data)
+  from composer_jax.data.tokenizer import checkpoint_tokenizer  # noqa: PLC0415
+
+  try:
+    tokenizer = checkpoint_tokenizer(str(d)) or config.data.tokenizer
+  except ValueError as e:
+    raise ConfigError(f"init_from {str(d)!r} {e}") from None
+  return dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, tokenizer=tokenizer))
 
 
 def check_meshes(config: Config) -> None:

@@ -113,13 +113,24 @@ def build_meshes(
     if math.prod(shape) != len(devices):
       raise MeshMismatch(
         f"The {name} mesh {dict(zip(axes, shape, strict=True))} has {math.prod(shape)} devices but "
-        f"{len(devices)} are available; make the product of its sizes equal {len(devices)} "
-        f"(--config.mesh.dense and --config.mesh.expert)."
+        f"{len(devices)} are available; make the product of its sizes equal {len(devices)}, e.g. "
+        f"{_fitting(dense_shape, expert_shape, len(devices))}."
       )
   grid = device_grid(dense_shape, devices)
   dense = Mesh(grid, DENSE_AXES, axis_types=(AxisType.Auto,) * len(DENSE_AXES))
   expert = Mesh(grid.reshape(expert_shape), EXPERT_AXES, axis_types=(AxisType.Auto,) * len(EXPERT_AXES))
   return Meshes(dense=dense, expert=expert)
+
+
+def _fitting(dense_shape: tuple[int, ...], expert_shape: tuple[int, ...], devices: int) -> str:
+  """Mesh flags for `devices` that keep the config's inner axes where they divide (`scaled_shapes`),
+  else everything on fsdp and expert."""
+  try:
+    dense, expert = scaled_shapes(dense_shape, expert_shape, devices)
+  except ValueError:
+    dense, expert = (1, devices, 1), (devices, 1)
+  flag = lambda t: "(" + ",".join(map(str, t)) + ")"  # noqa: E731
+  return f"--config.mesh.dense={flag(dense)} --config.mesh.expert={flag(expert)}"
 
 
 def device_grid(dense_shape: tuple[int, ...], devices: list[jax.Device]) -> np.ndarray:

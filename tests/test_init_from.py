@@ -210,3 +210,16 @@ def test_a_tokenizer_without_the_chat_tokens_is_refused_in_one_line(
   with pytest.raises(configs.ConfigError, match="data.tokenizer: .* has no <\\|system\\|>, <\\|user\\|>"):
     pipeline.run(_chat_config(plain_hf_dir, corpus_dir, stage), str(tmp_path))
   assert not any(tmp_path.iterdir())  # refused before any work
+
+
+def test_a_checkpoint_with_only_a_tiktoken_tokenizer_is_refused_in_one_line(hf_dir, tmp_path):
+  """Kimi/Moonlight-style checkpoints ship tiktoken.model: without a tokenizer.json the run stops
+  before any work instead of tokenizing with another vocabulary."""
+  d = tmp_path / "ckpt"
+  d.mkdir()
+  (d / "config.json").write_text((hf_dir / "config.json").read_text())
+  (d / "tiktoken.model").write_text("")
+  with pytest.raises(configs.ConfigError, match="tiktoken.model and no tokenizer.json"):
+    configs.resolve(dataclasses.replace(configs.Config(), init_from=str(d)))
+  (d / "tiktoken.model").unlink()  # no tokenizer file at all: the config's own tokenizer stays
+  assert configs.resolve(dataclasses.replace(configs.Config(), init_from=str(d))).data.tokenizer == "byte"

@@ -37,7 +37,12 @@ def test_build_meshes_rejects_wrong_device_count(dense, expert, numbers):
   with pytest.raises(sharding.MeshMismatch) as err:  # run.py prints it as one line, exit 2
     sharding.build_meshes(dense, expert)
   message = str(err.value)
-  assert "--config.mesh.dense" in message
+  assert "--config.mesh.dense=(" in message and "--config.mesh.expert=(" in message
+  # the mesh it names fits the 8 devices there are
+  dense, expert = (
+    tuple(int(x) for x in m.split("(")[1].split(")")[0].split(",")) for m in message.split("=")[1:3]
+  )
+  assert np.prod(dense) == np.prod(expert) == 8, message
   for n in numbers:
     assert f"{n} devices" in message or f"{n} are available" in message, message
 

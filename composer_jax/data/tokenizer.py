@@ -205,3 +205,26 @@ def load(name: str = "bpe") -> Tokenizer:
   if os.path.isdir(name):
     return HFTokenizer(name)
   return BPETokenizer.from_file(shipped_bpe_path() if name == "bpe" else name)
+
+
+# Files a checkpoint may ship its tokenizer in that `HFTokenizer` cannot read (Kimi and Moonlight ship
+# a tiktoken BPE, as far as we know).
+_UNREADABLE = ("tiktoken.model", "*.tiktoken")
+
+
+def checkpoint_tokenizer(directory: str) -> str | None:
+  """The directory itself when it has a `tokenizer.json` (`load` reads it); None when it has no
+  tokenizer file at all. A tiktoken model without a tokenizer.json is refused (ValueError): silently
+  falling back to another tokenizer would feed the checkpoint ids it was never trained on."""
+  import pathlib  # noqa: PLC0415
+
+  d = pathlib.Path(directory)
+  if (d / "tokenizer.json").is_file():
+    return str(d)
+  found = sorted(p.name for pattern in _UNREADABLE for p in d.glob(pattern))
+  if found:
+    raise ValueError(
+      f"ships its tokenizer as {', '.join(found)} and no tokenizer.json, which this project reads; "
+      "convert it to a tokenizers JSON (tokenizer.json) in that directory"
+    )
+  return None
