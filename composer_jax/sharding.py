@@ -223,6 +223,21 @@ def batch_sharding(shape: Sequence[int], meshes: Meshes) -> NamedSharding:
   return NamedSharding(meshes.dense, _spec(axes, DENSE_ACTIVATION_RULES, shape, meshes.dense))
 
 
+def host(tree: Any) -> Any:
+  """Every array of `tree` whole, as numpy, on this host: one process reads its arrays directly; with
+  several processes an array split over all of them is gathered (`np.asarray` cannot read the shards
+  other processes hold), so every process gets the same values and can take the same host-side steps
+  (rollouts, parsing, grading) in lockstep."""
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  def one(x: Any) -> np.ndarray:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+      return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  return jax.tree.map(one, tree)
+
+
 # Where `model.init_cache`'s arrays keep their rows: latent and rope keys [L, B, S, ·], positions and
 # segment ids [B, S]; the write index is a replicated scalar.
 _CACHE_ROW_DIM = {"latent": 1, "k_rope": 1, "positions": 0, "segments": 0}

@@ -6,6 +6,7 @@ import json
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -41,6 +42,46 @@ def test_the_demo_stage_on_2_processes_of_4_devices_decodes_like_one_process(tmp
   two = json.loads((tmp_path / "two" / "demo.json").read_text())
   one = pipeline.run(_tiny("demo"), str(tmp_path / "one"))["demo"]
   assert two["decoded"] == one["decoded"] and two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+# The chat stages on a small budget: 4 SFT steps, one gate batch (not required to pass), 2 RL steps.
+_CHAT = ["--config.stages=pretrain,sft,gate,rl", "--config.train.schedule.steps=2"]
+_CHAT += ["--config.sft.schedule.steps=4", "--config.sft.eval_problems=4", "--config.gate.min_flagged=4"]
+_CHAT += [
+  "--config.gate.rollouts_per_batch=16",
+  "--config.gate.max_batches=1",
+  "--config.gate.required=false",
+]
+_CHAT += ["--config.rl.schedule.steps=2", "--config.rl.problems_per_step=2", "--config.rl.group_size=4"]
+_CHAT += ["--config.rl.schedule.eval_every=0", "--config.rl.compare_without_feedback=false"]
+
+
+@pytest.mark.slow
+def test_sft_gate_and_rl_on_2_processes_of_4_devices_equal_one_process(tmp_path):
+  """Rollouts, the gate's resamples and the SFT evaluation fetch sampled tokens split over both processes
+  (`sharding.host`; `jax.device_get` cannot read another process's shards), every process takes the
+  same host-side steps, and the stages' results equal one process's."""
+  argv = ["run.py", f"--config={_EXPERIMENT}", f"--workdir={tmp_path / 'two'}", *_CHAT]
+  done = multihost.wait_all(multihost.launch(argv, 2), timeout=1500)
+  for i, p in enumerate(done):
+    assert p.returncode == 0 and "Traceback" not in p.stderr, (i, p.stderr[-3000:])
+  one = subprocess.run(
+    [sys.executable, *argv[:2], f"--workdir={tmp_path / 'one'}", *_CHAT], cwd=multihost.ROOT,
+    capture_output=True, text=True, timeout=1500,
+  )  # fmt: skip
+  assert one.returncode == 0, one.stderr[-3000:]
+  runs = {k: json.loads((tmp_path / k / "summary.json").read_text())["stages"] for k in ("one", "two")}
+  for stage, keys in (
+    ("sft", ("first_loss", "last_loss", "sampled", "greedy")),
+    ("gate", ("flagged", "rollouts")),
+  ):
+    for key in keys:  # losses: fp32 sums in another order across processes
+      assert runs["two"][stage][key] == pytest.approx(runs["one"][stage][key], rel=1e-5), (stage, key, runs)
+  rl = {k: [json.loads(x) for x in (tmp_path / k / "rl_metrics" / "metrics.jsonl").open()] for k in runs}
+  assert len(rl["one"]) == len(rl["two"]) == 2
+  for a, b in zip(rl["one"], rl["two"], strict=True):
+    for key in ("reward", "loss", "grad_norm", "invalid_call_rate", "tokens_per_rollout"):
+      assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
 
 
 def _wait_for(path: pathlib.Path, pattern: str, timeout: float) -> None:

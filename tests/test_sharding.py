@@ -206,3 +206,24 @@ def test_kv_cache_rows_split_over_the_dense_mesh(meshes):
   assert decode["latent"].spec == P(None, ("replica", "fsdp", "context"), None, None)
   odd = sharding.cache_shardings(jax.eval_shape(lambda: model.init_cache(CFG, 6, 16)), meshes, decode=True)
   assert odd["positions"].spec == P(None, None) and odd["index"].spec == P()
+
+
+def test_a_decode_sized_call_takes_the_expert_parallel_path_and_matches_one_device(sharded_params, meshes):
+  """4 rows × 1 token is fewer tokens than the 8 devices: the MoE pads the positions so that the EP
+  dispatch takes them (the local path all-gathers every expert's weights), and drops the padding again:
+  logits, routing and expert load equal the single-device forward's."""
+  from composer_jax.model import moe
+
+  assert moe.padded_length(meshes, 4, 1) == 2 and moe.padded_length(meshes, B, T) == T
+  kimi = sharding.abstract_meshes((16, 16, 4), (128, 8))
+  assert moe.padded_length(kimi, 256, 1) == 4 and moe.padded_length(kimi, 1024, 1) == 1
+  tokens = jax.random.randint(jax.random.key(3), (4, 1), 0, CFG.vocab_size)
+  single = jax.device_get(sharded_params)
+  want, want_aux = jax.jit(functools.partial(model.apply, cfg=CFG))(single, tokens=tokens)
+  sharded = jax.jit(functools.partial(model.apply, cfg=CFG, meshes=meshes))
+  got, aux = sharded(sharded_params, tokens=tokens)
+  hlo = sharded.lower(sharded_params, tokens=tokens).compile().as_text()
+  assert "all-to-all" in hlo, "the tokens did not travel to their experts (the local path ran)"
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(aux["routed_experts"]), np.asarray(want_aux["routed_experts"]))
+  np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(want_aux["expert_load"]))

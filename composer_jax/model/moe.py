@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from composer_jax import backend
+from composer_jax import backend, sharding
 from composer_jax.model import expert_parallel
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import W_DOWN_AXES, W_GATE_AXES, W_UP_AXES, capacity, experts_local
@@ -109,6 +109,24 @@ def _expert_parallel(meshes, n_tokens: int) -> bool:
   return meshes is not None and meshes.expert_parallelism > 1 and n_tokens % len(meshes.devices) == 0
 
 
+def padded_length(meshes, rows: int, length: int) -> int:
+  """The sequence length to pad a call's tokens to so that the EP path takes them: `length` itself when
+  it does (or no EP is possible), else the next one whose rows × length split over every device and
+  whose positions split over the context axis. A decode step has one token per row: Kimi's 256 rollouts
+  on 1024 chips otherwise take the local path, which all-gathers every expert's weights (270 GB per chip
+  per token in XLA:TPU's count); padded to 4 positions they are one token per chip."""
+  if meshes is None or meshes.expert_parallelism <= 1:
+    return length
+  deg = sharding.degrees(meshes)
+  devices, context = deg.devices, deg.seq
+  if (rows * length) % devices == 0:  # `_expert_parallel` already takes them
+    return length
+  for padded in range(length + 1, length + devices + 1):
+    if (rows * padded) % devices == 0 and padded % context == 0:
+      return padded
+  return length
+
+
 def resolve(cfg: ModelConfig, meshes, expert_parallel_path: bool) -> ModelConfig:
   """`cfg` with `expert_impl` resolved for this call (`backend.expert_impl`). tokamax's Mosaic kernels
   run only inside `shard_map` (the EP dispatch) or on one device; elsewhere they fall back to "ragged"."""
@@ -140,7 +158,14 @@ class MoE(nnx.Module):
     """(y_BTD, aux); routed_experts_BTK replays a routing (see `route`); aux["routed_experts"] holds
     the experts used [B, T, K]."""
     cfg = self.cfg
-    B, T, D = x_BTD.shape
+    B, T_real, D = x_BTD.shape
+    T = padded_length(meshes, B, T_real)
+    if T > T_real:  # padding positions: routed like any token, their outputs and experts dropped below
+      x_BTD = jnp.pad(x_BTD, ((0, 0), (0, T - T_real), (0, 0)))
+      if routed_experts_BTK is not None:
+        routed_experts_BTK = jnp.pad(
+          routed_experts_BTK, ((0, 0), (0, T - T_real), (0, 0)), constant_values=-1
+        )
     ep = _expert_parallel(meshes, B * T)
     if ep:  # tokens in the order the expert mesh takes them: each device's own tokens, contiguous
       flatten = functools.partial(expert_parallel.device_major, meshes=meshes)
@@ -165,11 +190,11 @@ class MoE(nnx.Module):
     y_BTD = unflatten(combine(y_TKD, r.weights_TK)).astype(x_BTD.dtype)
     if cfg.n_shared_experts:
       y_BTD = y_BTD + self.shared(x_BTD)
-    ids_BTK = unflatten(r.expert_ids_TK)
+    ids_BTK, scores_BTE = unflatten(r.expert_ids_TK)[:, :T_real], unflatten(r.scores_TE)[:, :T_real]
     aux = {
-      "expert_load": expert_load(r.expert_ids_TK, cfg.n_experts),
+      "expert_load": expert_load(ids_BTK.reshape(-1, cfg.top_k), cfg.n_experts),
       "overflow": dropped.astype(jnp.float32),
-      "balance_loss": sequence_balance_loss(unflatten(r.scores_TE), ids_BTK, cfg.n_experts),
+      "balance_loss": sequence_balance_loss(scores_BTE, ids_BTK, cfg.n_experts),
       "routed_experts": ids_BTK,
     }
-    return y_BTD, aux
+    return y_BTD[:, :T_real], aux

@@ -120,7 +120,7 @@ class KVCacheSampler:
       feed_last=jnp.asarray(True),
     )  # fmt: skip
     self._cache, self._calls = out.cache, self._calls + 1
-    ids_BN, lp_BN, n_B, index = jax.device_get((out.tokens, out.logprobs, out.lengths, out.cache["index"]))
+    ids_BN, lp_BN, n_B, index = sharding.host((out.tokens, out.logprobs, out.lengths, out.cache["index"]))
     self._index = int(index)
     tokens = [ids_BN[b, : int(n_B[b])].tolist() if lens_B[b] else [] for b in range(B)]
     logprobs = [lp_BN[b, : int(n_B[b])].tolist() if lens_B[b] else [] for b in range(B)]
@@ -128,7 +128,7 @@ class KVCacheSampler:
       self._held[b] += deltas[b] + tokens[b]
     routed = None
     if routing:  # feed_last: every sampled token was fed, so its experts are known
-      ext_BTLK, dec_BNLK = jax.device_get((ext_routed[0], out.routed_experts))
+      ext_BTLK, dec_BNLK = sharding.host((ext_routed[0], out.routed_experts))
       routed = [np.concatenate([ext_BTLK[b, : lens_B[b]], dec_BNLK[b, : len(tokens[b])]]) for b in range(B)]
     return Generated(tokens, logprobs, routed)
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from composer_jax import model
+from composer_jax import model, sharding
 from composer_jax.configs import GateConfig, RLConfig
 from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from composer_jax.rl import chat, feedback, sampler, stats
@@ -176,7 +176,7 @@ def resample_valid(
       params, cfg, toks, lens, jax.random.fold_in(key, start), max_new_tokens=N, temperature=rcfg.temperature,
       top_k=rcfg.top_k, stop_tokens=chat.stop_ids(tok), pad_id=tok.pad_id, meshes=meshes,
     )  # fmt: skip
-    ids_BN, n_B = jax.device_get((out.tokens, out.lengths))
+    ids_BN, n_B = sharding.host((out.tokens, out.lengths))
     for b in range(min(chunk, len(rows) - start)):
       call = chat.parse_tool_call(ids_BN[b, : int(n_B[b])].tolist(), tok)
       ok[start + b] = envs[part[b][0]].check(call) == ""
@@ -201,7 +201,7 @@ def _logp_rows(
   for start in range(0, len(rows), chunk):
     part = list(rows[start : start + chunk])
     toks, lens = _padded(part + [part[-1]] * (chunk - len(part)), T)
-    logp_BTV = np.asarray(_log_softmax(params, cfg, jnp.asarray(toks), meshes))
+    logp_BTV = sharding.host(_log_softmax(params, cfg, jnp.asarray(toks), meshes))
     out += [logp_BTV[b, : int(lens[b])] for b in range(len(part))]
   return out
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 
 from composer_jax import model, sharding
@@ -51,7 +50,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     f"forward: logits {tuple(logits_BTV.shape)} {logits_BTV.dtype}, next-token loss {loss:.4f} "
     f"vs uniform ln(V) = {uniform:.4f} ({time.perf_counter() - t0:.1f}s incl. compile)",
   )
-  load = _fetch(aux["expert_load"])
+  load = sharding.host(aux["expert_load"])
   logging.info(
     "[demo] %s",
     f"experts (EP={meshes.expert_parallelism}, {cfg.expert_impl}): max/mean load per MoE layer "
@@ -59,7 +58,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
   )
 
   t0 = time.perf_counter()
-  decoded_BN = _fetch(greedy(params, cfg, tokens_BT, config.demo.decode_tokens, meshes))
+  decoded_BN = sharding.host(greedy(params, cfg, tokens_BT, config.demo.decode_tokens, meshes))
   seconds = time.perf_counter() - t0
   logging.info(
     "[demo] %s",
@@ -82,16 +81,6 @@ def greedy(params: Any, cfg: Any, prompt_BT: jax.Array, n: int, meshes: sharding
   return sampler.sample(
     params, cfg, prompt_BT, lengths, key, max_new_tokens=n, temperature=0.0, meshes=meshes
   ).tokens
-
-
-def _fetch(x: jax.Array) -> np.ndarray:
-  """The whole of a (possibly multi-process) global array on this host: `np.asarray` cannot read the
-  shards other processes hold: `multihost_utils` can."""
-  from jax.experimental import multihost_utils
-
-  if x.is_fully_addressable:  # one process (process_allgather would stack every process's copy)
-    return np.asarray(x)
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 @dataclasses.dataclass(frozen=True)
