@@ -84,6 +84,39 @@ def test_sft_gate_and_rl_on_2_processes_of_4_devices_equal_one_process(tmp_path)
       assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
 
 
+@pytest.mark.slow
+def test_a_checkpoint_of_2_processes_resumes_on_4_processes_on_another_mesh(tmp_path):
+  """Steps 1-4 on 2 processes × 4 devices (meshes (4,1,2)/(8,1)), then steps 5-6 on 4 processes × 2
+  devices laid out as (2,2,2)/(4,2): each process restores its own shards of the new layout, and the
+  losses of steps 5-6 equal those of one process that trained 1-6 straight."""
+  (tmp_path / "src").mkdir()
+  corpus = tiny.write_corpus(tmp_path / "src")
+  base = ["run.py", "--config=tests/small_experiment.py", f"--config.data.src_dir={corpus}"]
+  base += ["--config.train.schedule.checkpoint_every=4", "--config.optim.total_steps=6"]  # one lr schedule
+  other_mesh = ["--config.mesh.dense=(2,2,2)", "--config.mesh.expert=(4,2)"]
+  runs = [(2, ["--config.train.schedule.steps=4"]), (4, ["--config.train.schedule.steps=6", *other_mesh])]
+  for n, extra in runs:
+    done = multihost.wait_all(
+      multihost.launch([*base, f"--workdir={tmp_path / 'w'}", *extra], n), timeout=900
+    )
+    for i, p in enumerate(done):
+      assert p.returncode == 0 and "Traceback" not in p.stderr, (n, i, p.stderr[-3000:])
+  straight = subprocess.run(
+    [sys.executable, *base, f"--workdir={tmp_path / 'one'}", "--config.train.schedule.steps=6"],
+    cwd=multihost.ROOT, capture_output=True, text=True, timeout=900,
+  )  # fmt: skip
+  assert straight.returncode == 0, straight.stderr[-3000:]
+
+  def losses(workdir: pathlib.Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (workdir / "metrics" / "metrics.jsonl").open()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+  resumed, one = losses(tmp_path / "w"), losses(tmp_path / "one")
+  assert sorted(resumed) == sorted(one) == list(range(1, 7)), (resumed, one)
+  for step in (5, 6):
+    assert resumed[step] == pytest.approx(one[step], rel=1e-5), (step, resumed, one)
+
+
 def _wait_for(path: pathlib.Path, pattern: str, timeout: float) -> None:
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
