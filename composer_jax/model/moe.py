@@ -106,7 +106,9 @@ def _expert_parallel(meshes, n_tokens: int) -> bool:
   """EP dispatch when there is an expert axis and the tokens split over all devices; otherwise
   (single device, or e.g. a decode step with fewer tokens than devices) the local path runs and
   XLA's sharding propagation moves the expert weights instead."""
-  return meshes is not None and meshes.expert_parallelism > 1 and n_tokens % len(meshes.devices) == 0
+  return (
+    meshes is not None and meshes.expert_parallelism > 1 and n_tokens % sharding.degrees(meshes).devices == 0
+  )
 
 
 def padded_length(meshes, rows: int, length: int) -> int:
@@ -115,12 +117,10 @@ def padded_length(meshes, rows: int, length: int) -> int:
   whose positions split over the context axis. A decode step has one token per row: Kimi's 256 rollouts
   on 1024 chips otherwise take the local path, which all-gathers every expert's weights (270 GB per chip
   per token in XLA:TPU's count); padded to 4 positions they are one token per chip."""
-  if meshes is None or meshes.expert_parallelism <= 1:
+  if meshes is None or meshes.expert_parallelism <= 1 or _expert_parallel(meshes, rows * length):
     return length
   deg = sharding.degrees(meshes)
   devices, context = deg.devices, deg.seq
-  if (rows * length) % devices == 0:  # `_expert_parallel` already takes them
-    return length
   for padded in range(length + 1, length + devices + 1):
     if (rows * padded) % devices == 0 and padded % context == 0:
       return padded

@@ -77,10 +77,6 @@ def collectives(hlo_text: str) -> dict[str, int]:
   return dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo_text)).items()))
 
 
-def _placed(shapes: Any, shardings: Any) -> Any:
-  return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, shardings)
-
-
 def _abstract_batch(fields: dict[str, tuple[tuple[int, ...], Any]], meshes: sharding.Meshes) -> dict:
   """ShapeDtypeStructs of a batch: [B, T] fields split like tokens, [B] fields over the batch axes."""
   rows = sharding.activation_sharding(("batch",), meshes)
@@ -153,11 +149,11 @@ def lower_decode_step(config: configs.Config, meshes: sharding.Meshes) -> jax.st
   from composer_jax.rl import sampler  # noqa: PLC0415
 
   cfg, r = config.model, config.rl
-  rows = r.problems_per_step * r.group_size
-  shapes = model.abstract_params(cfg)
-  params = _placed(shapes, sharding.param_shardings(model.logical_axes(cfg), shapes, meshes))
+  rows, _ = rollout.rl_shape(r)
+  params = train_state.abstract_params(cfg, meshes)
   cache = jax.eval_shape(lambda: model.init_cache(cfg, rows, r.cache_len))
-  cache = _placed(cache, sharding.cache_shardings(cache, meshes, decode=True))
+  where = sharding.cache_shardings(cache, meshes, decode=True)
+  cache = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where[k]) for k, v in cache.items()}
   tokens = jax.ShapeDtypeStruct((rows, 1), np.int32, sharding=sharding.batch_sharding((rows, 1), meshes))
   lengths = jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharding.batch_sharding((rows,), meshes))
   dcfg = sampler.decode_config(cfg)
@@ -226,7 +222,7 @@ def _add_mfu(est: dict[str, Any], config: configs.Config, devices: int) -> None:
   work is not 6 · N · tokens)."""
   est["muon_seconds"] = est["scope_seconds"].get("muon", 0.0)
   if config.compile.step == "decode":  # one token for every rollout row
-    rows, seconds = config.rl.problems_per_step * config.rl.group_size, est["step_seconds"]
+    (rows, _), seconds = rollout.rl_shape(config.rl), est["step_seconds"]
     est["tokens_per_second"] = rows / seconds if seconds > 0 else None
   if config.compile.step != "train":
     est["model_flops_per_device"] = est["mfu"] = None

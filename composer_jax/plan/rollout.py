@@ -42,18 +42,13 @@ def _nbytes(shape: tuple[int, ...], dtype: Any, tpu: bool) -> int:
   return tpu_bytes(shape, dtype) if tpu else math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _param_bytes(config: configs.Config, tpu: bool) -> int:
-  layout = derive_layout(config.mesh.dense, config.mesh.expert, None, config.model.n_experts)
-  return sum(p.local_bytes(tpu) for p in leaves(config.model, layout))
-
-
 def rl_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
   """Predicted memory_analysis fields of the RL step, with its terms."""
   r = config.rl
   rows, cols = rl_shape(r)
   train = dataclasses.replace(config.train, batch_size=rows, seq_len=cols, grad_accum=1)
   plan = core.make_plan(dataclasses.replace(config, train=train), tpu=tpu)
-  teacher = _param_bytes(config, tpu) if r.teacher != "live" else 0
+  teacher = sum(plan.memory[m]["params"] for m in ("dense", "expert")) if r.teacher != "live" else 0
   split = sharding.degrees(sharding.abstract_meshes(config.mesh.dense, config.mesh.expert))
   grid = _RL_GRID_FIELDS * rows * cols * 4 // (split.batch * split.seq)
   state = plan.xla["output"] + teacher
@@ -66,12 +61,13 @@ def rl_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
 def decode_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
   """Predicted memory_analysis fields of one decode step (`plan.compile.lower_decode_step`)."""
   cfg, r = config.model, config.rl
-  rows = r.problems_per_step * r.group_size
+  rows, _ = rl_shape(r)
   meshes = sharding.abstract_meshes(config.mesh.dense, config.mesh.expert)
   cache = jax.eval_shape(lambda: model.init_cache(cfg, rows, r.cache_len))
   where = sharding.cache_shardings(cache, meshes, decode=True)
   cache_bytes = sum(_nbytes(tuple(where[k].shard_shape(v.shape)), v.dtype, tpu) for k, v in cache.items())
-  params = _param_bytes(config, tpu)
+  layout = derive_layout(config.mesh.dense, config.mesh.expert, None, cfg.n_experts)
+  params = sum(p.local_bytes(tpu) for p in leaves(cfg, layout))
   a = np.dtype(cfg.dtype).itemsize
   fsdp = sharding.degrees(meshes).fsdp
   head = cfg.vocab_size * cfg.d_model * a

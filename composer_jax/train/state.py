@@ -64,6 +64,13 @@ def create_state(
   return TrainState(step=step, params=committed(params) if meshes is None else params, opt_state=opt_state)
 
 
+def abstract_params(cfg: model.ModelConfig, meshes: sharding.Meshes) -> Any:
+  """The parameters as ShapeDtypeStructs on the shardings `model.init` places them on."""
+  shapes = model.abstract_params(cfg)
+  where = sharding.param_shardings(model.logical_axes(cfg), shapes, meshes)
+  return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
+
+
 def abstract_state(
   cfg: model.ModelConfig, tx: optax.GradientTransformation, meshes: sharding.Meshes
 ) -> TrainState:
@@ -73,11 +80,9 @@ def abstract_state(
 
   Optimizer leaves shaped like a parameter sit on that parameter's sharding (what `zeros_like` of a
   sharded array gives); scalar counters are replicated on the dense mesh (`_place`)."""
-  shapes = model.abstract_params(cfg)
-  where = sharding.param_shardings(model.logical_axes(cfg), shapes, meshes)
-  params = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
-  flat_where = jax.tree_util.tree_flatten_with_path(where)[0]
-  by_path = {path: (w, s.shape) for (path, w), s in zip(flat_where, jax.tree.leaves(shapes), strict=True)}
+  params = abstract_params(cfg, meshes)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  by_path = {path: (p.sharding, p.shape) for path, p in flat}
   rep = replicated(meshes)
 
   def place(path, leaf):
