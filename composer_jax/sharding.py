@@ -273,6 +273,33 @@ def constrain(
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+@dataclasses.dataclass(frozen=True)
+class LookupLayout:
+  """How an embedding lookup runs on the dense mesh without gathering the table (`model.layers.embed`).
+
+  The table [V, D] keeps its parameter layout (d_model over `split`); each device looks up the ids of its
+  `split` group (gathered: ints are cheap) in its own column block, and an all-to-all swaps column blocks
+  for whole rows. Where the token rows are not split over `split` (fewer rows than devices) the lookup
+  returns its column block (`out`), and the caller's batch-layout constraint gathers rows, not the table.
+  """
+
+  table: PartitionSpec
+  tokens: PartitionSpec
+  out: PartitionSpec
+  split: tuple[str, ...]  # mesh axes over the table's d_model; () when it is replicated
+  rows_split: bool  # the token rows are split over `split` too
+
+
+def lookup_layout(table_shape: Sequence[int], tokens_shape: Sequence[int], meshes: Meshes) -> LookupLayout:
+  table = _spec(("vocab", "embed"), DENSE_PARAM_RULES, table_shape, meshes.dense)
+  tokens = batch_sharding(tokens_shape, meshes).spec
+  tokens = PartitionSpec(*tokens, *(None,) * (len(tokens_shape) - len(tokens)))
+  split = _names(table[1] if len(table) > 1 else None)
+  rows_split = set(split) <= set(_names(tokens[0]))
+  out = PartitionSpec(*tokens, None if rows_split else table[1])
+  return LookupLayout(table=table, tokens=tokens, out=out, split=split, rows_split=rows_split)
+
+
 def _axis_size(meshes: Meshes, sharding: NamedSharding, dim: int) -> int:
   spec = sharding.spec
   axis = spec[dim] if dim < len(spec) else None

@@ -28,7 +28,7 @@ from composer_jax import backend, sharding
 from composer_jax.model import rope
 from composer_jax.model.attention import MLA
 from composer_jax.model.config import ModelConfig, check_context_balance
-from composer_jax.model.layers import MLP, KeyStream, ones, param, project, rms_norm
+from composer_jax.model.layers import MLP, KeyStream, embed, ones, param, project, rms_norm
 from composer_jax.model.moe import MoE
 
 DENSE, MOE = "dense_layers", "moe_layers"
@@ -208,13 +208,7 @@ def _run_stack(cfg, name, stack, x_BTD, ctx, kv, layer0, routed_LBTK, meshes):
 
 def _forward(params, cfg, tokens_BT, pos_BT, seg_BT, cache, meshes, routed_experts_LBTK, balanced):
   """Logits and aux of `apply` (arguments already checked and defaulted)."""
-  # Out-of-range ids read NaN rows (never a silently clamped row), so bad data shows in the loss.
-  x_BTD = (
-    params["embed"]
-    .at[tokens_BT]
-    .get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
-    .astype(cfg.dtype)
-  )
+  x_BTD = embed(params["embed"], tokens_BT, cfg.dtype, meshes)
   x_BTD = sharding.constrain(x_BTD, ("batch", "seq", "act_embed"), meshes)
   cos, sin = rope.cos_sin(cfg, pos_BT)
   shared_cache, kv = (), None
