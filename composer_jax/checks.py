@@ -19,7 +19,7 @@ from composer_jax.strict import ConfigError
 # Every float must be finite. Learning rates may be 0 (the weights stay as they are: tests and ablations
 # use it), never negative; a run of no steps, an empty batch or a zero Adam epsilon is refused.
 _POSITIVE = ("steps", "batch_size", "seq_len", "adam_eps")
-_NON_NEGATIVE = ("learning_rate", "lr", "weight_decay", "grad_clip", "keep_checkpoints")
+_NON_NEGATIVE = ("learning_rate", "lr", "weight_decay", "grad_clip", "keep_checkpoints", "prefetch")
 _NON_NEGATIVE_SUFFIXES = ("_every", "_steps", "_lr", "_learning_rate")
 
 

@@ -95,6 +95,7 @@ class DataConfig:
   tokenizer: str = "byte"
   src_dir: str | None = None  # None: this Python's standard library
   max_files: int | None = None  # None: all files
+  prefetch: int = 2  # pretraining batches packed ahead by a background thread; 0: in the training thread
 
 
 @dataclasses.dataclass(frozen=True)

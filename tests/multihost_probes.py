@@ -74,3 +74,66 @@ def workdir_lock(workdir: str) -> str:
       return "held"
   except lock.WorkdirBusy as e:
     return str(e)
+
+
+# The pretraining batch of tests/test_multihost.py's per-host packing test: 8 rows over replica 4, time
+# over context 2, on 2 processes × 4 devices.
+PACK_SHAPE = dict(batch_size=8, seq_len=64)
+PACK_MESHES = ((4, 1, 2), (8, 1))
+
+
+class _Counting:
+  """A byte tokenizer that records every text it encodes."""
+
+  def __init__(self):
+    from composer_jax.data import tokenizer
+
+    self._tok = tokenizer.ByteTokenizer()
+    self.eos_id, self.pad_id, self.texts = self._tok.eos_id, self._tok.pad_id, []
+
+  def encode(self, text: str) -> list[int]:
+    self.texts.append(text)
+    return self._tok.encode(text)
+
+
+def packed_rows(data_dir: str, src_dir: str, n: int, n_eval: int) -> dict:
+  """This process packs its rows of `n` training batches (prefetch 2) and `n_eval` validation batches,
+  places them, and reads the global batches back; then it gathers every process's data state and
+  continues from it on a fresh iterator for one more batch. Returns the rows it packed, the local
+  batch's row count, the first line of each text it tokenized, the global batches, the state and the
+  batch after it."""
+  import jax
+  import numpy as np
+
+  from composer_jax import sharding
+  from composer_jax.data import corpus, packing
+  from composer_jax.train import batch as batch_lib
+  from composer_jax.train import pretrain as pt
+
+  meshes = sharding.build_meshes(*PACK_MESHES)
+  splits = corpus.build_corpus(data_dir, src_dir=src_dir, verbose=False)
+  tok = _Counting()
+  rows = batch_lib.local_rows((PACK_SHAPE["batch_size"], PACK_SHAPE["seq_len"]), meshes)
+  it = corpus.batches(splits["train"], tok, **PACK_SHAPE, seed=0, rows=rows.ids, prefetch=2)
+
+  def fetched(b: batch_lib.TokenBatch) -> dict:
+    return {k: np.asarray(v).tolist() for k, v in vars(sharding.host(b)).items() if v is not None}
+
+  local, batches = [], []
+  for _ in range(n):
+    part = next(it)
+    local.append(len(part["tokens"]))
+    batches.append(fetched(batch_lib.place(batch_lib.TokenBatch.of(part), meshes, rows)))
+  state = packing.global_state(it.get_state())
+  it.close()
+  again = corpus.batches(splits["train"], _Counting(), **PACK_SHAPE, seed=0, rows=rows.ids)
+  again.set_state(state)
+  after = fetched(batch_lib.place(batch_lib.TokenBatch.of(next(again)), meshes, rows))
+  valid = corpus.batches(
+    splits["validation"], _Counting(), **PACK_SHAPE, seed=0, shuffle=False, num_epochs=1, rows=rows.ids
+  )
+  evals = [fetched(b) for b in pt.fixed_batches(valid, n_eval, meshes, rows)]
+  return dict(
+    process=jax.process_index(), rows=list(rows.ids), local=local, batches=batches, state=state,
+    after=after, evals=evals, tokenized=[t.split("\n")[0] for t in tok.texts],
+  )  # fmt: skip

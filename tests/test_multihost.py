@@ -1,6 +1,7 @@
 """Many hosts on one machine (tests/multihost.py: N processes × M CPU devices through jax.distributed):
-collectives work, the demo stage runs multi-process with the single-process result, and a SIGTERM to one
-process stops every process at the same step with one save."""
+collectives work, the demo stage runs multi-process with the single-process result, each process packs
+only its rows of the global batch, and a SIGTERM to one process stops every process at the same step
+with one save."""
 
 import json
 import pathlib
@@ -115,6 +116,57 @@ def test_a_checkpoint_of_2_processes_resumes_on_4_processes_on_another_mesh(tmp_
   assert sorted(resumed) == sorted(one) == list(range(1, 7)), (resumed, one)
   for step in (5, 6):
     assert resumed[step] == pytest.approx(one[step], rel=1e-5), (step, resumed, one)
+
+
+def _pack_corpus(root: pathlib.Path) -> str:
+  """64 train files and 3 validation files of 90-450 bytes, each opening with a line naming it."""
+  from composer_jax.data import corpus
+
+  want, i = {"train": 64, "validation": 3}, 0
+  while any(want.values()):
+    name, i = f"mod_{i}.py", i + 1
+    if want[corpus.split_of(name)]:
+      want[corpus.split_of(name)] -= 1
+      body = "".join(f"def f{j}(x):\n  return x * {j}\n\n" for j in range(3 + i * 7 % 13))
+      (root / name).write_text(f'"""Module {name}."""\n' + body)
+  return str(root)
+
+
+def test_each_process_packs_only_its_rows_and_the_global_batch_equals_one_process(tmp_path):
+  """2 processes × 4 devices (rows over replica 4, time over context 2): each process packs 4 of the 8
+  rows (prefetched) and tokenizes only their documents; the placed global batches, the validation
+  batches (process 1's rows have no document: it pads to process 0's count), the gathered data state
+  and the batch resumed from it equal those of one process packing every row."""
+  import numpy as np
+  from multihost_probes import PACK_SHAPE
+
+  from composer_jax.data import corpus, tokenizer
+  from composer_jax.train import pretrain as pt
+
+  (tmp_path / "src").mkdir()
+  src, data_dir, n, n_eval = _pack_corpus(tmp_path / "src"), str(tmp_path / "tfds"), 3, 2
+  outs = multihost.run_function(
+    "multihost_probes:packed_rows", 2, 4, args=(data_dir, src, n, n_eval), timeout=300
+  )
+  splits = corpus.build_corpus(data_dir, src_dir=src, verbose=False)  # the one the processes built
+  byte = tokenizer.ByteTokenizer()
+  one = corpus.batches(splits["train"], byte, **PACK_SHAPE, seed=0)
+  want = [next(one) for _ in range(n)]
+  want_state, want_after = one.get_state(), next(one)
+  valid = corpus.batches(splits["validation"], byte, **PACK_SHAPE, seed=0, shuffle=False, num_epochs=1)
+  want_evals = [vars(b) for b in pt.fixed_batches(valid, n_eval, None)]
+  assert sorted(outs[0]["rows"] + outs[1]["rows"]) == list(range(8)), [o["rows"] for o in outs]
+  docs = corpus.documents(splits["train"], seed=0)
+  order = {docs[i].split("\n")[0]: i for i in range(len(docs))}  # first line -> place in epoch 0
+  keys = ("tokens", "segment_ids", "positions")
+  for o in outs:
+    assert o["local"] == [4] * n and o["state"] == want_state, o["process"]
+    assert o["tokenized"] and {order[t] % 8 for t in o["tokenized"]} <= set(o["rows"]), o
+    for got, ref in zip(
+      [*o["batches"], o["after"], *o["evals"]], [*want, want_after, *want_evals], strict=True
+    ):
+      for k in keys:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(ref[k]), err_msg=f"{o['process']} {k}")
 
 
 def _wait_for(path: pathlib.Path, pattern: str, timeout: float) -> None:

@@ -1,4 +1,4 @@
-"""Pretraining corpus (a tfds builder over the stdlib's .py files) and the packed grain batch pipeline.
+"""Pretraining corpus (a tfds builder over the stdlib's .py files) and its packed grain batches (`packing`).
 
 Why the stdlib: it is real code that exists offline on every machine (~740 files, ~12 MB on 3.11).
 Stored as array_record and read with `as_data_source`, so TensorFlow is never needed.
@@ -19,16 +19,17 @@ import hashlib
 import io
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grain
 import jax
-import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 from jax.experimental import multihost_utils
 
+from composer_jax.data import packing
+from composer_jax.data.prefetch import Prefetch
 from composer_jax.data.tokenizer import Tokenizer
 
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -184,87 +185,6 @@ def documents(source: Sequence, *, seed: int, shuffle: bool = True) -> grain.Map
   return ds.map(lambda record: record["text"].decode("utf-8"))
 
 
-class PackedBatchIterator(grain.DatasetIterator):
-  """[B, T] rows of concatenated documents; checkpointable state = (next document index, token offset).
-
-  Each document is tokenized with an EOS appended and poured into rows in order. A document that
-  does not fit the rest of a row continues at the start of the next row -- unless the piece left in
-  this row would be shorter than `min_fragment`, then the row is padded instead (padding only at row
-  ends, segment id 0). Segment ids count 1, 2, ... per piece within a row and positions restart at 0
-  per piece, so attention (same segment, causal by position) never crosses documents.
-  Rows always start on a batch boundary, so the state between batches determines all later batches.
-  """
-
-  def __init__(
-    self,
-    docs: grain.MapDataset,
-    tokenize: Callable[[str], list[int]],
-    *,
-    batch_size: int,
-    seq_len: int,
-    pad_id: int,
-    num_epochs: int | None = None,
-    min_fragment: int | None = None,
-  ):
-    super().__init__()
-    self._docs, self._tokenize = docs, tokenize
-    self._B, self._T, self._pad_id = batch_size, seq_len, pad_id
-    self._end = None if num_epochs is None else num_epochs * len(docs)
-    self._min_fragment = max(1, seq_len // 8) if min_fragment is None else min_fragment
-    self._index, self._offset = 0, 0
-    self._cached: tuple[int, np.ndarray] | None = None
-
-  def get_state(self) -> dict[str, Any]:
-    return {"index": self._index, "offset": self._offset}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    self._index, self._offset = int(state["index"]), int(state["offset"])
-
-  def _exhausted(self) -> bool:
-    return self._end is not None and self._index >= self._end
-
-  def _doc_tokens(self, index: int) -> np.ndarray:
-    if self._cached is None or self._cached[0] != index:
-      self._cached = (index, np.asarray(self._tokenize(self._docs[index]), np.int32))
-    return self._cached[1]
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    if self._exhausted():
-      raise StopIteration
-    B, T = self._B, self._T
-    tokens_BT = np.full((B, T), self._pad_id, np.int32)
-    segment_ids_BT = np.zeros((B, T), np.int32)
-    positions_BT = np.zeros((B, T), np.int32)
-    for b in range(B):
-      col, seg = 0, 0
-      while col < T and not self._exhausted():
-        doc = self._doc_tokens(self._index)
-        remaining = len(doc) - self._offset
-        n = min(remaining, T - col)
-        if n < remaining and n < self._min_fragment and col > 0:
-          break  # a tiny fragment is not worth splitting the document for: pad the row's end
-        seg += 1
-        tokens_BT[b, col : col + n] = doc[self._offset : self._offset + n]
-        segment_ids_BT[b, col : col + n] = seg
-        positions_BT[b, col : col + n] = np.arange(n, dtype=np.int32)
-        col += n
-        self._offset += n
-        if self._offset == len(doc):
-          self._index, self._offset = self._index + 1, 0
-    return {"tokens": tokens_BT, "segment_ids": segment_ids_BT, "positions": positions_BT}
-
-
-class PackedBatches(grain.IterDataset):
-  """grain IterDataset wrapper so the packed pipeline composes with grain (prefetch, checkpointing)."""
-
-  def __init__(self, docs: grain.MapDataset, tokenize: Callable[[str], list[int]], **kwargs):
-    super().__init__(docs)
-    self._docs, self._tokenize, self._kwargs = docs, tokenize, kwargs
-
-  def __iter__(self) -> PackedBatchIterator:
-    return PackedBatchIterator(self._docs, self._tokenize, **self._kwargs)
-
-
 def batches(
   source: Sequence,
   tokenizer: Tokenizer,
@@ -275,24 +195,32 @@ def batches(
   shuffle: bool = True,
   num_epochs: int | None = None,
   min_fragment: int | None = None,
-) -> PackedBatchIterator:
-  """Packed batches {tokens, segment_ids, positions} [B, T] int32 from one split's data source.
+  rows: Sequence[int] | None = None,
+  prefetch: int = 0,
+) -> packing.RowPacker | Prefetch:
+  """Packed batches {tokens, segment_ids, positions} [R, T] int32 of `rows` (global row ids; None: all
+  `batch_size` rows) of the global batch, from one split's data source (`packing`: one document stream
+  per row, so any set of hosts packing their rows assembles the same global batch).
 
   `num_epochs=None` repeats forever (training); a finite count ends with a padded partial batch
-  (evaluation). Resume with `it.set_state(saved)` on a fresh iterator built with the same arguments.
+  (evaluation). `prefetch` > 0: a background thread packs up to that many batches ahead (`Prefetch`:
+  `get_state` is the state after the last batch taken, not the last one packed; the worker's exception
+  is raised by `next`); `close()` stops it. Resume with `it.set_state(saved)` on a fresh iterator built
+  with the same arguments (any `rows` and `prefetch`).
   """
   eos = tokenizer.eos_id
 
   def tokenize(text: str) -> list[int]:
     return tokenizer.encode(text) + [eos]
 
-  ds = PackedBatches(
+  ds = packing.PackedRows(
     documents(source, seed=seed, shuffle=shuffle),
     tokenize,
     batch_size=batch_size,
     seq_len=seq_len,
     pad_id=tokenizer.pad_id,
+    rows=rows,
     num_epochs=num_epochs,
     min_fragment=min_fragment,
   )
-  return iter(ds)
+  return Prefetch(iter(ds), prefetch) if prefetch > 0 else iter(ds)

@@ -9,6 +9,7 @@ more steps) and refuses the rest, naming the differing field.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from typing import Any
@@ -26,7 +27,8 @@ from composer_jax.stages.record import Interrupted, Stage
 def run(config: Config, workdir: str) -> dict[str, Any]:
   """Trains `config.train.schedule.steps` steps (resuming from the newest checkpoint); returns the summary."""
   from composer_jax import train
-  from composer_jax.data import corpus, tokenizer  # tfds: imported only by the stages that read data
+  from composer_jax.data import corpus, packing, tokenizer  # tfds: imported only by the stages that read data
+  from composer_jax.train import batch as batch_lib
   from composer_jax.train import loop, metrics
   from composer_jax.train import pretrain as pt
   from composer_jax.train import step as step_lib
@@ -46,14 +48,16 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     model=model_record | {"remat": "none"},
     # Its warm-up (train.schedule.warmup_steps, resolved) is part of it, the horizon is not: steps may grow.
     optim=configs.identity(ocfg),
-    data=d,
+    data={k: v for k, v in configs.plain(d).items() if k != "prefetch"},  # prefetching: how, not what
     batch=dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len),
     seed=config.seed,
   )
   shape = dict(batch_size=tcfg.batch_size, seq_len=tcfg.seq_len)
-  train_iter = corpus.batches(splits["train"], tok, **shape, seed=config.seed)
-  eval_iter = corpus.batches(splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1)
-  eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes)
+  rows = batch_lib.local_rows((tcfg.batch_size, tcfg.seq_len), meshes)  # this host packs only its rows
+  eval_iter = corpus.batches(
+    splits["validation"], tok, **shape, seed=0, shuffle=False, num_epochs=1, rows=rows.ids
+  )
+  eval_batches = pt.fixed_batches(eval_iter, tcfg.eval_batches, meshes, rows)
   shardings = train.state.state_shardings(abstract)
   train_step = step_lib.make_step(
     step_lib.next_token_loss(cfg, meshes), tx, cfg, schedule=optim.lr_schedule(ocfg), meshes=meshes,
@@ -71,15 +75,20 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
       return train.create_state(cfg, tx, jax.random.key(config.seed), meshes, initial_params(config, meshes))
 
     state, data_state = outputs.start(out, "pretrain", ocfg, abstract, fresh)
+    train_iter = corpus.batches(
+      splits["train"], tok, **shape, seed=config.seed, rows=rows.ids, prefetch=d.prefetch
+    )
     if data_state is not None:
       train_iter.set_state(data_state)
     hooks = pt.hooks(
       train_iter, eval_step, eval_batches, meshes=meshes, peak_flops=tcfg.peak_flops,
-      flops_per_token=metrics.flops_per_token(n_active),
-      save=lambda st, data_state, final: out.ckpt.save(st, data_state, force=final),
+      flops_per_token=metrics.flops_per_token(n_active), rows=rows,
+      # Each process knows its rows' state: gathered, so the checkpoint restores on any process count.
+      save=lambda st, data_state, final: out.ckpt.save(st, packing.global_state(data_state), force=final),
       check=out.check, writer=out.writer,
     )  # fmt: skip
-    state, result = loop.fit(state, train_step, tcfg.schedule, hooks, name="pretrain")
+    with contextlib.closing(train_iter):  # stops the prefetching thread however the fit ends
+      state, result = loop.fit(state, train_step, tcfg.schedule, hooks, name="pretrain")
   if result.interrupted:
     raise Interrupted(f"pretrain stopped at step {result.steps} and saved its checkpoint")
   summary = _summary(result)
@@ -193,6 +202,7 @@ STAGE = Stage(
   check=_check,
   doc="next-token training on the stdlib corpus, sharded Muon + AdamW, checkpoints and metrics",
   depends=("seed", "model", "train", "optim", "data", "init_from"),
+  ignores=("data.prefetch",),  # how batches are prepared, not which
   outputs=("checkpoints", "metrics", "pretrain.json"),
   summarize=_summarize,
   lines=_lines,

@@ -9,11 +9,13 @@ its validation loss and its progress line (tokens/s, MFU).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from composer_jax import model, sharding
 from composer_jax.train import batch as batch_lib
@@ -65,16 +67,19 @@ def hooks(
   peak_flops: float,
   flops_per_token: float = 0.0,
   save: Callable[[TrainState, dict, bool], None] | None = None,
+  rows: batch_lib.Rows | None = None,
   **common: Any,
 ) -> loop.Hooks:
   """Pretraining's hooks: batches from the checkpointed iterator, validation loss, tokens/s and MFU.
 
-  `save(state, data_state, final)` gets the iterator's state right after the last dispatched batch, so a
-  resume sees the next batch. `common`: the stage-independent hooks (check, writer)."""
+  `save(state, data_state, final)` gets the iterator's state right after the last batch taken from it
+  (with prefetch, batches packed ahead are not in it), so a resume sees the next batch. `rows`: the
+  iterator packs only these rows of the global batch (`batch.place`). `common`: the stage-independent
+  hooks (check, writer)."""
   data_state = [train_iter.get_state()]
 
   def next_batch(step: int, state: TrainState) -> tuple[TokenBatch, dict]:
-    batch = batch_lib.place(TokenBatch.of(next(train_iter)), meshes)
+    batch = batch_lib.place(TokenBatch.of(next(train_iter)), meshes, rows)
     data_state[0] = train_iter.get_state()
     return batch, {}
 
@@ -97,11 +102,19 @@ def hooks(
   )
 
 
-def fixed_batches(it: Iterator[dict], n: int, meshes: sharding.Meshes | None) -> list[TokenBatch]:
-  """The first `n` batches of an iterator, on device (validation uses the same ones each time)."""
-  out = []
-  for rows in it:
-    out.append(batch_lib.place(TokenBatch.of(rows), meshes))
-    if len(out) == n:
-      break
-  return out
+def fixed_batches(
+  it: Iterator[dict], n: int, meshes: sharding.Meshes | None, rows: batch_lib.Rows | None = None
+) -> list[TokenBatch]:
+  """The first `n` batches of a finite iterator, on device (validation uses the same ones each time).
+
+  With `rows` (this process packs only those), processes agree on the count: the global iterator ends
+  when every row has, so a process whose rows ran out first pads (`packing.RowPacker.padding`) up to the
+  longest process's count, as the rows of one process packing everything would be."""
+  local = list(itertools.islice(it, n))
+  count = len(local)
+  if rows is not None and jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    count = int(np.max(multihost_utils.process_allgather(np.int32(count))))
+  local += [it.padding() for _ in range(count - len(local))]
+  return [batch_lib.place(TokenBatch.of(b), meshes, rows) for b in local]
