@@ -130,9 +130,8 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   grid |= {k: ((rows, cols), np.float32) for k in ("loss_mask", "sampler_logprobs")}
   per_row = {"rewards": ((rows,), np.float32), "group_ids": ((rows,), np.int32)}
   batch = rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes))
-  if r.lambda_feedback > 0:  # a hint of up to 64 tokens, then the turn
-    N = rl_batch.bucket(r.max_turn_tokens, 16)
-    F, L = r.feedback_rows or rows, rl_batch.bucket(64 + N, 64)
+  if r.lambda_feedback > 0:
+    F, N, L = rollout.feedback_shape(r)
     fb = {k: ((F,), np.int32) for k in ("fb_rows", "teacher_lengths", "hint_start")}
     fb |= {"teacher_tokens": ((F, L), np.int32), "fb_cols": ((F, N), np.int32)}
     fb |= {"teacher_cols": ((F, N), np.int32), "fb_mask": ((F, N), np.float32)}

@@ -53,21 +53,16 @@ def _temporaries(cfg, layout, params, mem, acts, muon, micro, seq, accum, tpu) -
   """(phases, temp): the live temporaries of each phase and the step's predicted temp bytes.
 
   The peak is the largest live set of the passes or of the update (all gradients, Muon's largest
-  group in flight, the full fp32 embedding gradient GSPMD builds from the token gather). Without remat
+  group in flight). Without remat
   (validated on XLA:CPU): all residuals at the start of the backward pass, plus, with scanned stacks,
   the stacks' gradients (the backward loop writes them into [L, ...] buffers allocated whole while the
   stacked residuals are still live; +11% on tiny), or every gradient and the fp32 sum when
   accumulating. With remat (validated on XLA:TPU): the larger live peak of `memory.remat_phases`. On
-  TPU, XLA's heap overhead and embedding-gradient buffers on top.
+  TPU, XLA's heap overhead and the vocab-sized buffers outside its heap on top (`heap_bytes`).
   """
   grads = sum(mem[m]["grads"] for m in ("dense", "expert"))
   accum_f32 = sum(mem[m]["grad_accum_f32"] for m in ("dense", "expert"))
-  embedding_grad = cfg.vocab_size * cfg.d_model * 4
-  update = {
-    "grads": grads,
-    "muon_group": muon["largest_group_in_flight_bytes"],
-    "embedding_grad": embedding_grad,
-  }
+  update = {"grads": grads, "muon_group": muon["largest_group_in_flight_bytes"]}
   if cfg.remat == "none":
     stacked_grads = sum(p.local_bytes(tpu) for p in params if p.stack) if cfg.scan_layers else 0
     passes = {"residuals": acts["total"], "grads": grads + accum_f32 if accum > 1 else stacked_grads}
@@ -76,11 +71,18 @@ def _temporaries(cfg, layout, params, mem, acts, muon, micro, seq, accum, tpu) -
     phases = memory.remat_phases(cfg, layout, params, micro, seq, tpu) | {"update": update}
     if accum > 1:
       phases["backward"] |= {"stacked_grads": grads, "grad_accum_f32": accum_f32}
+  return phases, heap_bytes(phases, cfg, tpu)
+
+
+def heap_bytes(phases: dict[str, dict[str, int]], cfg, tpu: bool) -> int:
+  """The predicted temp of a step from its phases' live sets: the largest, and on TPU XLA's heap overhead
+  (measured with remat; tiny without it matches its live set: 1.05) and what memory_analysis counts
+  outside that heap (`memory.TPU_VOCAB_TABLES_OUTSIDE_HEAP`)."""
   temp = max(sum(terms.values()) for terms in phases.values())
-  if tpu:  # the heap overhead was measured with remat (tiny, without it, matches its live set: 1.05)
-    heap = memory.TPU_HEAP_OVER_LIVE if cfg.remat != "none" else 1.0
-    temp = int(temp * heap) + memory.TPU_EMBEDDING_GRAD_COPIES * embedding_grad
-  return phases, temp
+  if not tpu:
+    return temp
+  heap = memory.TPU_HEAP_OVER_LIVE if cfg.remat != "none" else 1.0
+  return int(temp * heap + memory.TPU_VOCAB_TABLES_OUTSIDE_HEAP * cfg.vocab_size * cfg.d_model * 4)
 
 
 def make_plan(config: configs.Config, *, tpu: bool = False) -> Plan:

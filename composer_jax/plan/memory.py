@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from composer_jax import backend
+from composer_jax.model.attention_kernels import SPLASH_BLOCK
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import capacity
 from composer_jax.plan.layout import Layout, Leaf
@@ -221,14 +223,25 @@ def activation_memory(
   return terms, rows
 
 
-# XLA:TPU's temporaries (`memory_analysis().temp_size_in_bytes`) against the planner's live peak, fitted
-# on the compile stage's moonlight_16b (2 and 27 layers, vocab 163840 and 32768) and kimi_k25_1t steps
-# with their buffer-assignment dumps: the HLO heap is 1.0-1.2x the live peak (buffers placed at
-# offsets that overlap in address, not in time), and the memory_analysis total adds ~3x the fp32
-# embedding table outside that heap (the embedding gradient's SparseCore scatter-add and all-reduce
-# buffers: +0.9 GB at vocab 32768, +3.1-4.6 GB at 163840 x 2048, +17.8 GB at 163840 x 7168).
+# XLA:TPU's temporaries (`memory_analysis().temp_size_in_bytes`) against the planner's live peak, read
+# off the buffer assignments of the moonlight_16b and kimi_k25_1t train and RL steps (benchmarks/
+# xla_heap.py): the heap is 1.1-1.5x the largest live set (buffers placed at offsets that overlap in
+# address, not in time), and memory_analysis adds 1.0-1.6 fp32 [V, D] tables' worth outside that heap
+# (2.5-7.2 GiB). 1.35 tables puts the four steps within 15 % (any value in 1.23-1.49 does; the Kimi RL and
+# train steps have the same planned live peak and XLA temps 28.8 and 22.8 GiB, which bounds it).
 TPU_HEAP_OVER_LIVE = 1.1
-TPU_EMBEDDING_GRAD_COPIES = 3
+TPU_VOCAB_TABLES_OUTSIDE_HEAP = 1.35
+SPLASH_LSE_LANES = 128  # splash keeps each query's log-sum-exp as a [H, t, 128] fp32 residual
+
+
+def fused_attention(cfg: ModelConfig, tok: Tokens, tpu: bool) -> bool:
+  """Whether the step's attention is splash (XLA:TPU, tokamax present, shapes it takes: see
+  `model.attention`), which keeps no [t, H, S] scores; other targets are planned as XLA's attention."""
+  if not tpu or cfg.attention_impl not in ("auto", "splash"):
+    return False
+  if cfg.attention_impl == "auto" and not backend.has_tokamax():
+    return False
+  return tok.t % SPLASH_BLOCK == 0 and tok.seq % SPLASH_BLOCK == 0
 
 
 def _gathered_layer_bytes(cfg: ModelConfig, layout: Layout, params: list[Leaf]) -> int:
@@ -249,11 +262,13 @@ def remat_phases(
   """Live temporaries (bytes per device) at the two peaks of a rematerialised, scanned train step,
   read off XLA:TPU's live ranges of the moonlight_16b step (the `compile` stage's dumps):
 
-  - "head": the loss. Every block's saved input, the logits in the compute dtype, their shifted copy
-    and the fp32 log-softmax ([b·t, V] each: model.apply returns fp32 logits, the loss slices them).
+  - "head": the loss. Every block's saved input, the logits in the compute dtype and the fp32
+    log-softmax of the shifted ones ([b·t, V] each: model.apply returns fp32 logits, the loss slices them).
   - "backward": one block recomputed and differentiated. The saved inputs, the logits' gradient (XLA
-    keeps it until the LM head's weight gradient), the block's attention (fp32 scores, bf16
-    probabilities and their gradient [b·t, H, S], the absorbed query/latent products), the routed
+    keeps it until the LM head's weight gradient) and that gradient itself, whole and fp32 on every
+    device before its reduce-scatter, the block's attention (with XLA's attention: fp32 scores, bf16
+    probabilities and their gradient [b·t, H, S], the absorbed query/latent products; with splash: the
+    per-head q, k, v, output, their gradients and the log-sum-exp), the routed
     experts' working set on the received rows R (fp32 gate·up and down outputs, their inputs), the
     shared/dense MLP, and the stacks' gradient buffers.
   Both: the compute-dtype copies of all parameters (XLA hoists the casts of whole stacks out of the
@@ -271,13 +286,18 @@ def remat_phases(
     saved = acts["block_inputs"] + acts["matmul_outputs"]
   common = {"saved_for_backward": saved, "parameter_casts": casts}
   common["gathered_weights"] = _gathered_layer_bytes(cfg, layout, params)
-  head = common | {"logits": n * v * (2 * a + 4)}
-  attention = n * h * s * (4 + 2 * a) + n * s * 4 + n * h * (2 * (c + r) + 2 * c + cfg.qk_head_dim) * a
+  head = common | {"logits": n * v * (a + 4)}
+  if fused_attention(cfg, tok, tpu):  # per-head q, k, v, output and their gradients, the lse residual
+    k_rows = tok.b * s
+    attention = (2 * n + 2 * k_rows) * h * (cfg.qk_head_dim + cfg.v_head_dim) * a + n * h * SPLASH_LSE_LANES * 4
+  else:
+    attention = n * h * s * (4 + 2 * a) + n * s * 4 + n * h * (2 * (c + r) + 2 * c + cfg.qk_head_dim) * a
   rows = moe_rows(cfg, layout, tok)
   big_r, f = rows["expert_rows"], cfg.moe_mlp_dim
   moe = big_r * (2 * f + d) * 4 + big_r * (d + f) * a + n * 3 * f * cfg.n_shared_experts * a
   dense = n * 3 * cfg.dense_mlp_dim * a + n * d * 4
   mlp = max(moe if cfg.n_moe_layers else 0, dense if cfg.first_k_dense else 0)
   grads = sum(p.local_bytes(tpu) for p in params if p.stack)
-  backward = common | {"logits_grad": n * v * a, "attention": attention, "mlp": mlp, "stacked_grads": grads}
+  backward = common | {"logits_grad": n * v * a, "lm_head_grad": v * d * 4}
+  backward |= {"attention": attention, "mlp": mlp, "stacked_grads": grads}
   return {"head": head, "backward": backward}

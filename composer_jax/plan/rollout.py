@@ -5,14 +5,20 @@ Each returns the prediction of XLA's `memory_analysis()` fields (`argument`, `ou
 `peak`) per device, as `Plan.xla` does for the pretraining step, plus the terms it was built from.
 
 - RL step: the pretraining step's model (`core.make_plan`) at the RL batch, problems_per_step ×
-  group_size rows of the padded rollout length, plus what RL adds to the state: the frozen or EMA
-  teacher's copy of the parameters in the optimizer state (`rl.step.teacher_optimizer`) and the RL
-  batch's fields. Its temporaries are the pretraining step's at that shape: the teacher's forward and
-  the divergence are not modelled yet (benchmarks/RESULTS.md says by how much that is off).
+  group_size rows of the padded rollout length, plus what RL adds. State: the frozen or EMA teacher's
+  copy of the parameters in the optimizer state (`rl.step.teacher_optimizer`) and the RL batch's fields.
+  Temporaries: pretraining's backward pass and update, with two phases of its own in place of the
+  pretraining loss (read off XLA:TPU's buffer assignment and live ranges of both variants' RL steps):
+  "loss", the student's fp32 log-softmax next to the compute-dtype logits ([n, V] each, n tokens per
+  device), the LM head gathered whole for them, and the teacher's scores of the flagged tokens [F, N, V]
+  (fp32), kept for the divergence; "teacher", the frozen teacher's forward over its rows: its compute-
+  dtype weights, the latent cache it encodes the rollout prefix into, the fp32 scores and probabilities
+  of that prefix against the cache, and its fp32 logits over the hint + turn [F, L, V].
 - Decode step: parameters and the latent cache as arguments, the cache aliased to the output (updated in
-  place). Temporaries: the LM head gathered whole in the compute dtype for the [rows, V] logits, next
-  to the local shard's cast (read off XLA:TPU's buffer assignment of the moonlight_16b decode step: the
-  head is the largest buffer; each layer's weights are cast and gathered one stack at a time, smaller).
+  place). Temporaries, the larger of two phases (read off XLA:TPU's buffer assignments of both variants'
+  decode steps): the head, the LM head gathered whole in the compute dtype for the [rows, V] logits next
+  to the local shard's cast (Moonlight's peak); the layers, every stack's local weights cast to the
+  compute dtype at once, which XLA hoists out of the layer loop (Kimi's peak).
 """
 
 from __future__ import annotations
@@ -42,6 +48,40 @@ def _nbytes(shape: tuple[int, ...], dtype: Any, tpu: bool) -> int:
   return tpu_bytes(shape, dtype) if tpu else math.prod(shape) * np.dtype(dtype).itemsize
 
 
+def feedback_shape(rcfg: configs.RLConfig) -> tuple[int, int, int]:
+  """(F teacher rows, N flagged-turn tokens, L teacher tokens = hint + turn) of the RL step's feedback
+  branch as the compile stage lowers it: a hint of up to 64 tokens, then the turn."""
+  from composer_jax.rl.batch import bucket  # noqa: PLC0415
+
+  rows, _ = rl_shape(rcfg)
+  n = bucket(rcfg.max_turn_tokens, 16)
+  return rcfg.feedback_rows or rows, n, bucket(64 + n, 64)
+
+
+def rl_phases(config: configs.Config, plan: core.Plan) -> dict[str, dict[str, int]]:
+  """The RL step's own live temporaries (bytes per device): its loss and the teacher's forward."""
+  cfg, r = config.model, config.rl
+  rows, cols = rl_shape(r)
+  deg = plan.layout.degrees
+  a, v, d = np.dtype(cfg.dtype).itemsize, cfg.vocab_size, cfg.d_model
+  n = rows * cols // (deg.batch * deg.seq)
+  kept = {k: plan.phases["head"][k] for k in ("saved_for_backward", "parameter_casts") if k in plan.phases["head"]}
+  loss = kept | {"lm_head_gathered": v * d * a if deg.fsdp > 1 else 0, "logits": n * v * (a + 4)}
+  if r.lambda_feedback <= 0:
+    return {"loss": loss}
+  f, big_n, big_l = feedback_shape(r)
+  f_local = -(-f // deg.batch)
+  loss["teacher_scores"] = f_local * big_n * v * 4
+  slots = cols + big_l
+  teacher = {
+    "weights": sum(p.local_size for p in leaves(cfg, plan.layout)) * a if cfg.dtype != cfg.param_dtype else 0,
+    "cache": f_local * slots * cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a,
+    "prefix_scores": 2 * f_local * (cols // deg.seq) * cfg.n_heads * slots * 4,
+    "logits": f_local * big_l * v * 4,
+  }
+  return {"loss": loss, "teacher": teacher}
+
+
 def rl_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
   """Predicted memory_analysis fields of the RL step, with its terms."""
   r = config.rl
@@ -49,13 +89,15 @@ def rl_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
   train = dataclasses.replace(config.train, batch_size=rows, seq_len=cols, grad_accum=1)
   plan = core.make_plan(dataclasses.replace(config, train=train), tpu=tpu)
   teacher = sum(plan.memory[m]["params"] for m in ("dense", "expert")) if r.teacher != "live" else 0
-  split = sharding.degrees(sharding.abstract_meshes(config.mesh.dense, config.mesh.expert))
+  split = plan.layout.degrees
   grid = _RL_GRID_FIELDS * rows * cols * 4 // (split.batch * split.seq)
+  phases = {k: t for k, t in plan.phases.items() if k != "head"} | rl_phases(config, plan)
+  temp = core.heap_bytes(phases, config.model, tpu)
   state = plan.xla["output"] + teacher
-  temp = plan.xla["temp"]
   xla = {"argument": state + grid, "output": state, "alias": state, "temp": temp, "peak": state + grid + temp}
-  terms = {"train_state": plan.xla["output"], "teacher": teacher, "batch": grid, "train_step_temp": temp}
-  return {"xla": xla, "terms": terms}
+  live = {f"{name}_live": sum(t.values()) for name, t in phases.items()}
+  terms = {"train_state": plan.xla["output"], "teacher": teacher, "batch": grid} | live
+  return {"xla": xla, "terms": terms, "phases": phases}
 
 
 def decode_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
@@ -69,6 +111,7 @@ def decode_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
   layout = derive_layout(config.mesh.dense, config.mesh.expert, None, cfg.n_experts)
   params = sum(p.local_bytes(tpu) for p in leaves(cfg, layout))
   a = np.dtype(cfg.dtype).itemsize
+  cast = cfg.dtype != cfg.param_dtype
   fsdp = sharding.degrees(meshes).fsdp
   head = cfg.vocab_size * cfg.d_model * a
   rows_local = max(rows // sharding.degrees(meshes).batch, 1)
@@ -76,10 +119,11 @@ def decode_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
     "params": params,
     "cache": cache_bytes,
     "head_gathered": head,
-    "head_local_cast": head // fsdp if cfg.dtype != cfg.param_dtype else 0,
+    "head_local_cast": head // fsdp if cast else 0,
     "logits": rows_local * cfg.vocab_size * 4 * 2,  # fp32 logits and their log-softmax
+    "stack_casts": sum(p.local_size for p in leaves(cfg, layout) if p.stack) * a if cast else 0,
   }
-  temp = terms["head_gathered"] + terms["head_local_cast"] + terms["logits"]
+  temp = max(terms["head_gathered"] + terms["head_local_cast"] + terms["logits"], terms["stack_casts"])
   out = cache_bytes
   xla = {"argument": params + cache_bytes, "output": out, "alias": out, "temp": temp}
   xla["peak"] = params + cache_bytes + temp
