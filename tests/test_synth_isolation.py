@@ -3,8 +3,9 @@
 The corpus's channel: the suite run (whose tree holds the hidden tests' answers) signals them to the twin
 and held-out runs through host-wide counters (open files in /proc/sys/fs/file-nr, memory, load) while
 they run beside it. Fixed by structure: the runs of one grade are sequential (each tree dead before the
-next starts), host-wide counters are masked, open files are capped per process, the runner's spec comes
-through an fd it closes (no control file), and a tree may use one CPU at a time (cgroup quota).
+next starts), host-wide counters are masked (the /proc files, and the system calls that read the same
+counters: sysinfo, syslog, the page cache's residency), open files are capped per process, the runner's
+spec comes through an fd it closes (no control file), and a tree may use one CPU at a time (cgroup quota).
 """
 
 import errno
@@ -16,7 +17,7 @@ import time
 import pytest
 from test_synth_redteam import INIT, TARGET, fixture_tasks
 
-from composer_jax.synth import baseline, cgroups, grading, prepare, sandbox, tasks
+from composer_jax.synth import baseline, bwrap, cgroups, grading, prepare, sandbox, seccomp, tasks
 
 pytestmark = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap/prlimit not installed")
 RO = sandbox.venv_paths(sys.prefix)
@@ -107,7 +108,7 @@ def test_runner_spec_leaves_no_file(tmp_path):
   (d / "tests").mkdir(parents=True)
   (d / "tests" / "test_probe.py").write_text(
     "import os\n\ndef test_probe():\n"
-    "  assert os.listdir('/.grader') == ['runner.py']\n"
+    "  assert sorted(os.listdir('/.grader')) == ['codec.py', 'runner.py']\n"
     "  assert not [k for k in os.environ if 'INPUT' in k or 'SPEC' in k]\n"
     "  links = []\n"
     "  for f in os.listdir('/proc/self/fd'):\n"
@@ -123,7 +124,7 @@ def test_runner_spec_leaves_no_file(tmp_path):
 
 PROBE = (  # on the result pipe: pytest captures the process's stdout and stderr
   "import os as _o, time as _t\n"
-  "_o.write(int(_o.environ['COMPOSER_CHANNEL_FD']), f'IMPORTED {_t.monotonic()}\\n'.encode())\n"
+  "_o.write(3, f'IMPORTED {_t.monotonic()}\\n'.encode())\n"  # runner.CHANNEL_FD
 )
 
 
@@ -156,3 +157,44 @@ def test_runs_of_one_grade_never_overlap(tmp_path, monkeypatch):
   for start, end, err in spans:
     stamps = [float(x.split()[1]) for x in err.splitlines() if x.startswith("IMPORTED ")]
     assert stamps and all(start <= t <= end for t in stamps), (start, end, err[-300:])
+
+
+@pytest.mark.skipif(not seccomp.supported(), reason="no seccomp filter for this architecture")
+def test_host_wide_calls_refused(tmp_path):
+  """Counters one sandbox moves and a later one reads (load, uptime, free memory and process count by
+  sysinfo, the kernel log, whether a shared read-only file's pages are cached) are refused; reading the
+  file, and the interpreter's start-up, work as ever."""
+  col = list(seccomp._AUDIT).index(seccomp.machine())
+  nr = {name: nums[col] for name, nums in seccomp._NR.items()}
+  r = run_py(
+    tmp_path,
+    "host",
+    f"""
+    import ctypes, os
+    nr = {nr!r}
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(4096)
+    fd = os.open("/usr/bin/env", os.O_RDONLY)
+    def err(*args):
+      return ctypes.get_errno() if libc.syscall(*args) < 0 else 0
+    out = dict(
+      sysinfo=err(nr["sysinfo"], buf), syslog=err(nr["syslog"], 3, buf, 256),
+      cachestat=err(nr["cachestat"], fd, buf, buf, 0), mincore=err(nr["mincore"], buf, 4096, buf),
+      io_uring=err(nr["io_uring_setup"], 4, buf),
+    )
+    try:
+      out["loadavg"] = os.getloadavg()
+    except OSError:
+      out["loadavg"] = "refused"
+    try:
+      out["nowait"] = os.preadv(fd, [bytearray(8)], 0, os.RWF_NOWAIT)
+    except OSError as e:
+      out["nowait"] = e.errno
+    out["read"], out["host"] = os.preadv(fd, [bytearray(8)], 0), os.uname().nodename
+    print(sorted(out.items()))
+    """,
+  )
+  eperm = errno.EPERM
+  want = dict(sysinfo=eperm, syslog=eperm, cachestat=eperm, mincore=eperm, io_uring=eperm, nowait=eperm)
+  want |= dict(loadavg="refused", read=8, host=bwrap.HOSTNAME)
+  assert r.stdout.strip() == str(sorted(want.items())), (r.stdout, r.stderr)

@@ -30,10 +30,7 @@ from composer_jax.synth import baseline, grading, prepare, runner, sandbox, task
 
 pytestmark = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap/prlimit not installed")
 TARGET = "featpkg.mathx.running_totals"
-_WRITE = (
-  "import os as _o\n_fd = _o.environ.get('COMPOSER_CHANNEL_FD', '')\n"
-  "if _fd.isdigit():\n  _o.write(int(_fd), {payload})\n"
-)
+_WRITE = "import os as _o\ntry:\n  _o.write(3, {payload})\nexcept OSError:\n  pass\n"  # runner.CHANNEL_FD
 DEEP = _WRITE.format(
   payload='b\'{"t": "item", "id": "x", "idx": \' + b\'[\' * 100000 + b\']\' * 100000 + b\'}\\n\''
 )

@@ -22,6 +22,7 @@ from composer_jax.synth import pipe, sandbox
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 PYTEST_ARGS = ("-p", "no:cacheprovider", "--tb=short", "--color=no", "-q")  # the coverage run's
 RUNNER = pathlib.Path(__file__).with_name("runner.py")
+CODEC = RUNNER.with_name("codec.py")  # the runner loads it from its own directory
 GRADER_DIR = "/.grader"
 _COPY_IGNORE = shutil.ignore_patterns(
   ".git", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".coverage*", "htmlcov"
@@ -113,7 +114,7 @@ def run_runner(
 ) -> tuple[sandbox.SandboxResult, list[dict] | None]:
   """One run of `runner.py` with `spec` (roots and plugins filled in); (result, channel records)."""
   spec = {"roots": [f"{box.workdir}/src", box.workdir], "plugins": list(venv_plugins(str(venv))), **spec}
-  binds = {str(RUNNER): f"{GRADER_DIR}/runner.py"}
+  binds = {str(RUNNER): f"{GRADER_DIR}/runner.py", str(CODEC): f"{GRADER_DIR}/codec.py"}
   inputs = json.dumps(spec).encode()
   result = box.run(runner_cmd(venv), task_dir, binds=binds, channel=True, inputs=inputs, **overrides)
   return result, parse_channel(result.channel) if records else None

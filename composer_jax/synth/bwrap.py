@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 
 SRC_DIR = "/.src"
+HOSTNAME = "sandbox"
 # System paths bound read-only when present; symlinks (merged /usr) are recreated as symlinks.
 _SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # Enough of /etc for the dynamic linker, locale/time, name lookup and TLS roots; nothing else.
@@ -152,6 +153,7 @@ def bwrap_args(
     args += ["--cap-drop", "ALL"]
     for cap in _ROOT_CAPS:
       args += ["--cap-add", cap]
+  args += ["--hostname", HOSTNAME]  # the host's name is no business of the sandbox (uts is unshared)
   if seccomp_fd is not None:
     args += ["--add-seccomp-fd", str(seccomp_fd)]
   for key, value in env.items():

@@ -18,6 +18,7 @@ nothing in the process tells a real test from a canary; twins of one unit never 
 import ast
 import copy
 import dataclasses
+import functools
 import random
 import re
 import secrets
@@ -53,7 +54,7 @@ def split_id(nodeid: str) -> tuple[str, str | None, str, str]:
   return head, None, "", params
 
 
-def _find(tree: ast.Module, cls: str | None, func: str):
+def find_def(tree: ast.Module, cls: str | None, func: str):
   scope = tree.body
   if cls is not None:
     owner = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
@@ -69,18 +70,18 @@ def units(fail_to_pass, test_files: dict[str, str]) -> tuple[list[Unit], list[st
   """(units whose def sits in a hidden file, F2P ids that cannot be twinned: doctests, inherited ...)."""
   grouped: dict[tuple, list[str]] = {}
   other = []
-  trees = {rel: _parse(text) for rel, text in test_files.items()}
+  trees = {rel: parse(text) for rel, text in test_files.items()}
   for nodeid in fail_to_pass:
     file, cls, func, _ = split_id(nodeid)
     tree = trees.get(file)
-    if not func or tree is None or _find(tree, cls, func) is None:
+    if not func or tree is None or find_def(tree, cls, func) is None:
       other.append(nodeid)
     else:
       grouped.setdefault((file, cls, func), []).append(nodeid)
   return [Unit(f, c, fn, tuple(ids)) for (f, c, fn), ids in sorted(grouped.items(), key=str)], other
 
 
-def _parse(text: str) -> ast.Module | None:
+def parse(text: str) -> ast.Module | None:
   try:
     return ast.parse(text)
   except (SyntaxError, ValueError):
@@ -112,6 +113,7 @@ def _alter_expr(node: ast.AST, rng: random.Random) -> bool:
   ]
   if consts:
     c = rng.choice(consts)
+    c.flipped = isinstance(c.value, bool)  # a flipped bool is what a wrong answer may equal by chance
     c.value = _alter_value(c.value, rng)
     return True
   if isinstance(node, ast.List | ast.Tuple | ast.Set) and not node.elts:
@@ -216,7 +218,7 @@ def _alter_case(case: ast.AST, k: int | None, n_names: int, rng: random.Random) 
   return _alter_expr(target, rng)
 
 
-def _tables(tree: ast.Module) -> dict[str, ast.AST]:
+def module_tables(tree: ast.Module) -> dict[str, ast.AST]:
   return {
     s.targets[0].id: s.value
     for s in tree.body
@@ -232,7 +234,7 @@ def _table_copy(
     isinstance(values, ast.Call) and isinstance(values.func, ast.Attribute) and values.func.attr == "items"
   )
   name = values.func.value if items else values
-  literal = _tables(tree).get(name.id) if isinstance(name, ast.Name) else None
+  literal = module_tables(tree).get(name.id) if isinstance(name, ast.Name) else None
   if literal is None:
     return None
   new = f"_{name.id.lower()}_{rng.getrandbits(40):010x}"
@@ -264,22 +266,29 @@ class Canary:
   fn: ast.AST  # the altered copy of the unit's def
   extra: tuple  # module-level statements it needs (altered table copies)
   how: str  # "expected value" | "parametrize table" | "negated assertion"
+  # Every alteration is a new number, string or element, never a negation or a flipped bool: no code,
+  # right or wrong, returns it unless it read it, so such a canary passing is a flag on its own.
+  distinct: bool = False
 
 
 def make_canary(unit: Unit, text: str, rng: random.Random) -> Canary | None:
-  tree = _parse(text)
-  fn = _find(tree, unit.cls, unit.func) if tree is not None else None
+  tree = parse(text)
+  fn = find_def(tree, unit.cls, unit.func) if tree is not None else None
   if fn is None:
     return None
   fn = copy.deepcopy(fn)
   if _alter_asserts(fn, rng):
-    return Canary(fn, (), "expected value")
+    return Canary(fn, (), "expected value", _distinct(fn))
   extra = _alter_parametrize(fn, tree, rng)
   if extra is not None:
-    return Canary(fn, tuple(extra), "parametrize table")
+    return Canary(fn, tuple(extra), "parametrize table", _distinct(fn, *extra))
   if _negate_last(fn):
     return Canary(fn, (), "negated assertion")
   return None
+
+
+def _distinct(*nodes: ast.AST) -> bool:
+  return not any(getattr(n, "flipped", False) for node in nodes for n in ast.walk(node))
 
 
 # ---- generated modules ------------------------------------------------------------------------------------
@@ -339,7 +348,8 @@ def _privatize(fn, tables: dict[str, ast.AST]) -> list[ast.stmt]:
     ref = v.func.value if items else v
     if isinstance(ref, ast.Name) and ref.id in tables:
       new = f"_{_token()}"
-      out.append(ast.Assign([ast.Name(new, ast.Store())], copy.deepcopy(tables[ref.id]), lineno=0))
+      # The table itself is shared, not copied: nothing changes it (an altered one is the canary's own).
+      out.append(ast.Assign([ast.Name(new, ast.Store())], tables[ref.id], lineno=0))
       ref.id = new
   return out
 
@@ -358,15 +368,15 @@ def generate(text: str, twins: list[Twin], rng: random.Random) -> tuple[str, dic
 
   Real and canary twins look alike: both renamed, both reading private copies of their parametrize
   tables, and the original tables dropped when nothing left in the module uses them."""
-  tree = ast.parse(text)
+  tree = _parsed(text)
   body = [s for s in map(_strip_tests, tree.body) if s is not None]
-  tables = _tables(tree)
+  tables = module_tables(tree)
   added: list[ast.stmt] = []
   names: dict[tuple[str | None, str], Twin] = {}
   for twin in rng.sample(twins, len(twins)):
-    fn = copy.deepcopy(twin.fn)
+    fn = _own_head(twin.fn)
     fn.name = f"{_prefix(fn.name, 'test')}_{_token()}"
-    added += _privatize(fn, tables | _tables(ast.Module(list(twin.extra), [])))
+    added += _privatize(fn, tables | module_tables(ast.Module(list(twin.extra), [])))
     if twin.unit.cls is None:
       added.append(fn)
       names[(None, fn.name)] = twin
@@ -378,10 +388,33 @@ def generate(text: str, twins: list[Twin], rng: random.Random) -> tuple[str, dic
     added.append(cls)
     names[(cls.name, fn.name)] = twin
   unused = _unused_tables(body + added, tables)
-  body = [s for s in body if not (isinstance(s, ast.Assign) and _tables(ast.Module([s], [])).keys() & unused)]
+  body = [
+    s for s in body if not (isinstance(s, ast.Assign) and module_tables(ast.Module([s], [])).keys() & unused)
+  ]
   return ast.unparse(ast.fix_missing_locations(ast.Module(body + added, []))), names
 
 
 def def_of(unit: Unit, text: str) -> ast.AST:
-  """The unit's own def in its file (the real twin)."""
-  return _find(ast.parse(text), unit.cls, unit.func)
+  """The unit's own def in its file (the real twin; shared: `generate` changes only its own clone)."""
+  return find_def(_parsed(text), unit.cls, unit.func)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> ast.Module:
+  """A hidden file's tree, parsed once per process: every grade reads it, none changes it."""
+  return ast.parse(text)
+
+
+def _own_head(fn):
+  """A copy of `fn` whose name and decorators' table references are its own to change (`_privatize`);
+  its body and any inline table stay shared (nothing changes them; deep copies of large tables cost more
+  than the rest of the grade's preparation)."""
+  fn = copy.copy(fn)
+  decorators = []
+  for d in fn.decorator_list:
+    if isinstance(d, ast.Call):
+      d = copy.copy(d)
+      d.args = [copy.deepcopy(a) if isinstance(a, ast.Name | ast.Call) else a for a in d.args]
+    decorators.append(d)
+  fn.decorator_list = decorators
+  return fn

@@ -5,16 +5,18 @@
   2. Run trees built by the grader (runtree.py): pristine task files plus only the library's `.py` files
      of the snapshot, copied into a size-capped tmpfs in the sandbox; the interpreter starts isolated
      (`-I`, roots appended after the stdlib, plugin autoload off; runner.py).
-  3. Results the code under test cannot forge usefully: PASS_TO_PASS (and tests that cannot be twinned)
-     in one process; each twinnable FAIL_TO_PASS test as a real and a canary twin under random names,
-     twins never in the same process (canary.py); held-out calls in a driver process with no tests and no
-     answers, compared here (heldout.py). Outcomes travel through a pipe the grader holds, never a file.
+  3. Results the code under test cannot forge usefully: each twinnable FAIL_TO_PASS test as a real and a
+     canary twin under random names, never in the same process (canary.py), and canaries in every run
+     that reports results the reward counts: the suite run (PASS_TO_PASS and tests that cannot be
+     twinned) holds some too, its hidden files stripped of the twinned tests (strip.py); a canary whose
+     altered value no code computes is a flag even when it passes alone. Held-out calls in a driver with
+     no answers, compared here (heldout.py). Outcomes travel through a pipe the grader holds, never a file.
   4. What a run sends is data (pipe.py): a strict schema, anything else or a pipe cut at its cap is a
      flag. Which test a record stands for, and which canary it pairs with, comes from the grader's own
      prepared data (the ids the original run collected), never from an index the process reports.
-  5. One run at a time, each tree killed and its tmpfs gone before the next starts (no run of a grade can
-     signal to another), and limits a process tree cannot escape (sandbox.py: cgroup or the stated
-     fallback, seccomp, tmpfs).
+  5. One run at a time, in an order drawn per grade, each tree killed and its tmpfs gone before the next
+     starts (no run of a grade can signal to another), every run the same process to its code (`jobs`),
+     and limits a process tree cannot escape (sandbox.py: cgroup or the stated fallback, seccomp, tmpfs).
 
 Reward: the fraction of FAIL_TO_PASS tests that pass, 0 when any PASS_TO_PASS test fails or any flag is
 raised. A test missing from the results counts as failed, never as passed. `grade` never raises on what the
@@ -39,7 +41,7 @@ from composer_jax.synth import (
   snapshot,
 )
 
-BATCH_UNITS = 12  # twinned tests per process at most
+CANARY_CASES = 4  # canary cases of one unit run per grade at most
 _SIGNS = (
   ("MemoryError", "resource_limit: MemoryError (memory limit)"),
   ("Resource temporarily unavailable", "resource_limit: process limit (fork refused)"),
@@ -64,51 +66,77 @@ class Job:
   extras: frozenset = frozenset()  # prepare.extra_key of tests collected besides the expected ones
 
 
-def _batches(units: list, canaries: dict, rng: random.Random) -> list[list[canary.Twin]]:
-  """Processes of at most BATCH_UNITS twins each; a unit's real and canary twins in different ones."""
-  units = rng.sample(units, len(units))
-  out = []
-  for g in range(0, len(units), BATCH_UNITS):
-    group = units[g : g + BATCH_UNITS]
-    halves = (group[0::2], group[1::2])
-    for mine, theirs in (halves, halves[::-1]):
-      twins = [canary.Twin(u, "real", u_def) for u, u_def in mine]
-      twins += [canary.Twin(u, "canary", c.fn, c.extra) for u, _ in theirs if (c := canaries.get(u.key))]
-      if twins:
-        out.append(twins)
-  return out
+def _twin_sets(prep: prepare.Prepared, rng: random.Random) -> list[tuple[list, list]]:
+  """(units run as real twins, units run as canaries) per run, the suite run first. A unit's real and
+  canary twins never share a run, and each run that reports results the reward counts holds canaries
+  where there are two units with one, so no run can forge its reports unseen even if it knew which run it
+  is. The suite run can hold canaries of the units taken out of its hidden files (`prep.movable`): half
+  the units with a canary go there, their real twins to the other run, which holds the other half's
+  canaries. With none movable the suite run holds no twins and the units split over two runs in halves."""
+  units = rng.sample(list(prep.units), len(prep.units))
+  canaried = [u for u in units if u.key in prep.canaries]
+  moved = [u for u in canaried if u.key in prep.movable][: (len(canaried) + 1) // 2]
+  if moved:
+    rest = [u for u in canaried if u not in moved]
+    plain = [u for u in units if u.key not in prep.canaries]
+    return [(rest, moved), (moved + plain, rest)]
+  one, two = units[0::2], units[1::2]
+  return [([], []), (one, [u for u in two if u in canaried]), (two, [u for u in one if u in canaried])]
 
 
-def _twin_ids(names: dict, prep: prepare.Prepared) -> dict:
-  """The node ids a twin run must report, from the cases the original run collected."""
-  expected = {}
+def _twin_ids(names: dict, prep: prepare.Prepared, rng: random.Random) -> tuple[dict, list[str]]:
+  """(the node ids a twin run must report, the ids it is asked to run), from the cases the original run
+  collected: every case of a real twin (asked for by its function); of a canary, at most CANARY_CASES of
+  the cases that fail on the original code, drawn per grade (one shows a forged pass; more cost time)."""
+  expected, args = {}, []
   for gen, mapping in names.items():
     for (cls, func), twin in mapping.items():
       head = f"{gen}::{cls}::{func}" if cls else f"{gen}::{func}"
-      for params, idx in prep.cases.get((twin.unit.key, twin.kind), {}).items():
-        expected[head + params] = (twin.unit.key, twin.kind, idx, params)
-  return expected
+      cases = prep.cases.get((twin.unit.key, twin.kind), {})
+      if twin.kind == "canary" and not any("::" in p for p in cases):
+        keep = sorted(p for p, idx in cases.items() if idx in prep.valid.get(twin.unit.key, ()))
+        cases = {p: cases[p] for p in rng.sample(keep, min(CANARY_CASES, len(keep)))}
+        args += [head + p for p in cases]
+      else:
+        args.append(head)
+      expected |= {head + p: (twin.unit.key, twin.kind, idx, p) for p, idx in cases.items()}
+  return expected, args
 
 
 def jobs(task: records.Task, prep: prepare.Prepared, run_files: dict, rng: random.Random) -> list[Job]:
+  """The runs of one grade, in an order drawn per grade.
+
+  What a run can observe of which run it is: everything about the process is the same in every run
+  (runner.py: argv, environment, open fds, working directory, the modules imported before its code, the
+  tree's layout: the agent's files, its tests and configuration). What differs is the work: the suite
+  run collects the PASS_TO_PASS tests and holds the hidden files (without the defs of twinned tests), a
+  twin run only tests of generated modules under random names, the held-out driver calls the target and
+  runs no test; and how long a run waited at its gate tells it how long the runs before it took, in an
+  order drawn at random. None of that helps: every run whose reports the reward counts holds canaries
+  (`_twin_sets`), which no honest code passes and every forgery does, and a twin run cannot tell its real
+  twins from its canaries; the held-out driver holds no answer, and its outputs are compared with the
+  original's."""
   out = []
   suite_ids = (*task.pass_to_pass, *prep.other)
-  if suite_ids:
-    spec = {"mode": "pytest", "args": list(suite_ids)}
-    out.append(Job("suite", run_files, spec, {}, dict.fromkeys(suite_ids)))
-  hidden = set(task.hidden_tests)
-  without_hidden = {rel: data for rel, data in run_files.items() if rel not in hidden}
-  defs = [(u, canary.def_of(u, task.test_files[u.file])) for u in prep.units]
-  for k, twins in enumerate(_batches(defs, prep.canaries, rng)):
-    files, names = prepare.twin_files(without_hidden, twins, task.test_files, rng)
-    spec = {"mode": "pytest", "args": sorted(names)}
-    out.append(Job(f"twins-{k}", files, spec, names, _twin_ids(names, prep), prep.extras))
+  without = runtree.without_hidden(run_files, task.hidden_tests)
+  suite_files = run_files | {rel: text.encode() for rel, text in prep.suite_texts.items()}
+  for k, (reals, fakes) in enumerate(_twin_sets(prep, rng)):
+    twins = [canary.Twin(u, "real", canary.def_of(u, task.test_files[u.file])) for u in reals]
+    twins += [canary.Twin(u, "canary", (c := prep.canaries[u.key]).fn, c.extra) for u in fakes]
+    ids = suite_ids if k == 0 else ()
+    if not twins and not ids:
+      continue
+    files, names = prepare.twin_files(suite_files if k == 0 else without, twins, task.test_files, rng)
+    twin_ids, args = _twin_ids(names, prep, rng)
+    spec = {"mode": "pytest", "args": [*ids, *sorted(args)]}
+    expected = dict.fromkeys(ids) | twin_ids
+    out.append(Job("suite" if k == 0 else f"twins-{k - 1}", files, spec, names, expected, prep.extras))
   if prep.checks is not None:
     c = prep.checks
     spec = {"mode": "call", "module": c.module, "qualname": c.qualname, "calls": list(c.calls), "repeat": 1}
     spec |= {"packages": list(prep.base.packages), "self_state": c.self_state}
-    out.append(Job("heldout", runtree.library_only(run_files), spec, {}))
-  return out
+    out.append(Job("heldout", without, spec, {}))
+  return rng.sample(out, len(out))
 
 
 def _run_flags(job: Job, r: sandbox.SandboxResult, recs: list[dict]) -> list[str]:
@@ -277,16 +305,23 @@ def _grade(task: records.Task, repo_dir, actions, limits: dict) -> records.Grade
 
 
 def _check_flags(task: records.Task, prep: prepare.Prepared, v: _Verdict) -> list[str]:
-  """Canary cases that passed together with their real twin; held-out answers that contradict a pass."""
+  """Canary cases that passed together with their real twin, or alone where their altered value is one no
+  code returns by chance (a run that forges its reports, its real twins elsewhere); held-out answers that
+  contradict a pass."""
   flags = []
-  hits = [
-    (k, i) for k, i in v.canaries if i in prep.valid.get(k, ()) and v.reals.get((k, i)) == baseline.PASSED
-  ]
+  valid = [(k, i) for k, i in v.canaries if i in prep.valid.get(k, ())]
+  hits = [(k, i) for k, i in valid if v.reals.get((k, i)) == baseline.PASSED]
+  alone = [(k, i) for k, i in valid if (k, i) not in hits and prep.canaries[k].distinct]
+  total = sum(len(s) for s in prep.valid.values())
   if hits:
-    total = sum(len(s) for s in prep.valid.values())
     flags.append(
       f"canary: {len(hits)} of {total} canary tests passed with altered expected values, as did their real "
       f"twins (e.g. {hits[0][0]}): the tests pass whatever the answer"
+    )
+  if alone:
+    flags.append(
+      f"canary: {len(alone)} of {total} canary tests passed with an expected value no code computes (e.g. "
+      f"{alone[0][0]}): the run reported passes it did not earn"
     )
   if prep.checks is not None:
     passed = {t for t in task.fail_to_pass if v.outcomes.get(t) == baseline.PASSED}

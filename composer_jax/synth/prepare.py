@@ -17,7 +17,7 @@ import random
 import tempfile
 import threading
 
-from composer_jax.synth import baseline, canary, heldout, records, runtree, sandbox, snapshot
+from composer_jax.synth import baseline, canary, heldout, records, runtree, sandbox, snapshot, strip
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
@@ -38,6 +38,10 @@ class Prepared:
   # besides its twins (e.g. inherited from an imported mixin): expected, never counted.
   cases: dict = dataclasses.field(default_factory=dict)
   extras: frozenset = frozenset()
+  # The suite run's hidden files (strip.py): without the defs of the `movable` units (keys), whose canaries
+  # may then run in the suite run; checked at preparation to leave the suite's tests passing.
+  suite_texts: dict = dataclasses.field(default_factory=dict)
+  movable: frozenset = frozenset()
 
 
 def run_tree(
@@ -170,12 +174,38 @@ def _prepare(task: records.Task, box: sandbox.Sandbox) -> Prepared:
     if kind == "real" or u.key in canaries
   }
   checks = _checks(task, box, base, tgt, recs)
+  suite_texts, movable = _suite_texts(task, box, base, kept, other)
   notes = (f"{len(kept)} twinned tests ({len(canaries)} with canaries), {len(other)} F2P ids run as they are"
            f"{trouble}",
            f"{len(checks.calls) if checks else 0} held-out calls "
-           f"({sum(checks.generated) if checks else 0} on generated inputs)")  # fmt: skip
+           f"({sum(checks.generated) if checks else 0} on generated inputs)",
+           f"{len(movable)} twinned tests taken out of the suite run's hidden files")  # fmt: skip
   extras = extra_ids(recs, names)
-  return Prepared(base, tuple(kept), tuple(other), canaries, valid, checks, notes, cases, extras)
+  return Prepared(
+    base, tuple(kept), tuple(other), canaries, valid, checks, notes, cases, extras, suite_texts, movable
+  )
+
+
+def _suite_texts(task, box, base, kept, other) -> tuple[dict, frozenset]:
+  """The hidden files for the suite run with the twinned tests' defs taken out (strip.py), kept only if
+  the suite's own tests still pass with them on the original code (else the files as they are)."""
+  suite_ids = [*task.pass_to_pass, *other]
+  keep = {canary.split_id(i)[2] for i in suite_ids}
+  texts, movable = {}, set()
+  for rel in task.hidden_tests:
+    text = task.test_files.get(rel)
+    if text is not None:
+      texts[rel], gone = strip.strip_units(text, [u for u in kept if u.file == rel], keep)
+      movable |= {u.key for u in gone}
+  if not movable:
+    return {}, frozenset()
+  if suite_ids:
+    files = base.pristine | {rel: text.encode() for rel, text in texts.items()}
+    _, recs = run_tree(box, task.venv, files, {"mode": "pytest", "args": suite_ids})
+    got = baseline.outcomes(recs)
+    if any(got.get(i) != baseline.PASSED for i in suite_ids):
+      return {}, frozenset()
+  return texts, frozenset(movable)
 
 
 def _or_none(fn, *args):
@@ -199,7 +229,7 @@ def _checks(task, box, base, tgt, recs) -> heldout.Checks | None:
   is_method = "." in tgt[1] and all(_is_obj(c["pos"][0]) for c in calls if c["pos"])
   spec = {"mode": "call", "module": tgt[0], "qualname": tgt[1], "calls": [*calls, *gen_calls], "repeat": 2}
   spec |= {"packages": list(base.packages), "self_state": is_method}
-  _, out = run_tree(box, task.venv, runtree.library_only(base.pristine), spec)
+  _, out = run_tree(box, task.venv, runtree.without_hidden(base.pristine, task.hidden_tests), spec)
   generated = (False,) * len(calls) + (True,) * len(gen_calls)
   keep = heldout.expected_from(
     out, (*calls, *gen_calls), tuple(zip((*tests, *gen_tests), generated, strict=True)), 2
@@ -212,4 +242,4 @@ def _checks(task, box, base, tgt, recs) -> heldout.Checks | None:
 
 
 def _is_obj(v) -> bool:
-  return isinstance(v, list) and len(v) == 4 and v[0] == "obj"
+  return isinstance(v, list) and len(v) == 5 and v[0] == "obj"

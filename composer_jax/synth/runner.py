@@ -1,8 +1,16 @@
 """The grader's own entry point inside the sandbox: pytest with a fixed start-up, or the held-out driver.
 
 Runs as `python -I -B /.grader/runner.py` (standalone: it imports nothing of composer_jax, which is not in
-the sandbox). Its spec arrives on the fd in `$COMPOSER_INPUT_FD` (a memfd), read and closed before any
-code under test runs: no file in the sandbox tells a run which run of the grade it is.
+the sandbox). Its spec arrives on a memfd, read and closed before any code under test runs: no file in the
+sandbox tells a run which run of the grade it is.
+
+Every run looks the same to the code under test (issue 30): the same argv, environment (no fd number in
+it: the runner finds the sandbox's fds by kind, and `/proc/self/environ` keeps what a process started
+with), the same open fds (the result pipe moved to CHANNEL_FD, the spec's memfd and the gate closed), the
+same working directory and the same modules imported before its code (pytest and the venv's plugins, in
+the held-out driver too). What differs is the work itself: which tests are collected, or, in the
+held-out driver, that the runner calls the target rather than a test. Why that does not help is in
+grading.py (`jobs`).
 
 Why this start-up: `-I` keeps the working directory and `PYTHON*` variables out of `sys.path`, so a module
 in the task dir cannot shadow the standard library or site-packages; the task's import roots are *appended*
@@ -10,7 +18,7 @@ after them. Plugin autoload is off and the venv's
 own pytest plugins are passed explicitly (`-p`), so a `.dist-info` entry point or `.pth` planted in the
 task tree loads nothing; the cache provider is off.
 
-Results go to the pipe in `$COMPOSER_CHANNEL_FD` (held by the grader), one JSON object per line:
+Results go to the pipe on fd CHANNEL_FD (held by the grader), one JSON object per line:
   {"t": "item", "id", "idx"}        a collected test and its parametrisation indices (to pair twins)
   {"t": "rep", "id", "when", "outcome", "xfail"}   pytest's report of one phase
   {"t": "cerr", "id"}               a collection error
@@ -20,141 +28,38 @@ Results go to the pipe in `$COMPOSER_CHANNEL_FD` (held by the grader), one JSON 
 Code under test can write to the same pipe; the grader never trusts a line for more than the code could
 have computed itself (see canary.py and heldout.py).
 
-Encoding of plain values (arguments and results): None, bool, int, str as JSON; floats, bytes, complex,
-range and containers as `[tag, payload]`; exact types only (a subclass or any other object is not plain),
-so an object with a permissive `__eq__` can never encode as the value it claims to equal. Also: a
-function or class by reference (`["ref", module, qualname]`, where the module exports it under that name)
-and an instance of a class of the library by its state (`["obj", module, qualname, state]`, no slots, no
-builtin base); test modules' functions and lambdas are not encoded. Every record is validated by the
-grader (pipe.py) before use.
+Arguments and results travel encoded by codec.py (bound next to this file in the sandbox): plain values,
+standard-library values, references, and library objects by their state; every record is validated by
+the grader (pipe.py) before use.
 
 Start-up and the gate: pytest and the venv's plugins are imported first (no code of the task: its roots
-are not on `sys.path` yet), then the runner waits on `$COMPOSER_GATE_FD` when given: the grader starts
-the next run of a grade early and opens its gate only once the run before it has ended.
+are not on `sys.path` yet), then the runner waits on its gate when given one: the grader starts the next
+run of a grade early and opens its gate only once the run before it has ended.
 """
 
-import importlib
+import fcntl
+import importlib.util
 import json
 import os
+import pathlib
 import sys
-import types
 
-MAX_NODES = 20_000
-MAX_ITER = 10_000
-MAX_DEPTH = 48  # nesting of an encoded value (the grader refuses deeper records)
+if __package__:  # imported on the host (tests, the grader)
+  from composer_jax.synth import codec
+else:  # run as the sandbox's entry point: its copy of codec.py lies next to it
+  _spec = importlib.util.spec_from_file_location("codec", pathlib.Path(__file__).with_name("codec.py"))
+  codec = importlib.util.module_from_spec(_spec)
+  _spec.loader.exec_module(codec)
+
+CHANNEL_FD = 3
 _CO_VARARGS, _CO_VARKEYWORDS = 0x04, 0x08
-
-
-class Unencodable(Exception):
-  pass
-
-
-def encode(x, budget: list | None = None, *, results: bool = False, depth: int = 0):
-  """Plain value -> JSON-able tree. `results=True` also materialises builtin iterators and generators.
-  Beyond plain values: a function or class importable by name -> ["ref", module, qualname]; an instance of
-  a class of the library (`LIBRARY`: its packages) whose state is its `__dict__` -> ["obj", module,
-  qualname, state] (held-out calls on methods and with callbacks; issue 30)."""
-  budget = budget if budget is not None else [MAX_NODES]
-  budget[0] -= 1
-  if budget[0] < 0 or depth > MAX_DEPTH:
-    raise Unencodable("too large")
-  t = type(x)
-  if x is None or t is bool or t is int or t is str:
-    return x
-  if t is float or t is complex:
-    return [t.__name__, repr(x)]
-  if t is bytes:
-    return ["bytes", x.hex()]
-  if t is range:
-    return ["range", [x.start, x.stop, x.step]]
-  sub = dict(budget=budget, results=results, depth=depth + 1)
-  if t in (list, tuple, set, frozenset):
-    return [t.__name__, [encode(v, **sub) for v in x]]
-  if t is dict:
-    return ["dict", [[encode(k, budget, depth=depth + 1), encode(v, **sub)] for k, v in dict.items(x)]]
-  if results and _is_iterator(t):
-    items = []
-    for v in x:
-      if len(items) >= MAX_ITER:
-        return ["iter", items, "truncated"]
-      items.append(encode(v, **sub))
-    return ["iter", items]
-  if (ref := _ref(x)) is not None:
-    return ref
-  if _is_library_object(x):
-    return ["obj", t.__module__, t.__qualname__, encode(dict(vars(x)), **sub)]
-  raise Unencodable(f"{t.__module__}.{t.__qualname__}")
-
-
-LIBRARY: set = set()  # top-level package names of the library under test (from the spec)
-
-
-def _named(module, qualname) -> bool:
-  if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
-    return False
-  parts = module.split(".")
-  return not any(p.startswith("test") or p == "conftest" for p in parts)  # test modules are not in every tree
-
-
-def _ref(x):
-  """["ref", module, qualname] for a function, builtin or class that its module exports under that name."""
-  if not isinstance(x, type | types.FunctionType | types.BuiltinFunctionType):
-    return None
-  module, qualname = getattr(x, "__module__", None), getattr(x, "__qualname__", None)
-  if not _named(module, qualname) or module not in sys.modules:
-    return None
-  obj = sys.modules[module]
-  for part in qualname.split("."):
-    obj = vars(obj).get(part) if isinstance(obj, types.ModuleType | type) else None
-  return ["ref", module, qualname] if obj is x else None
-
-
-def _is_library_object(x) -> bool:
-  t = type(x)
-  plain_state = not any("__slots__" in vars(c) for c in t.__mro__[:-1]) and isinstance(
-    getattr(x, "__dict__", None), dict
-  )
-  builtin_base = any(c.__module__ == "builtins" for c in t.__mro__[:-1])
-  return (
-    t.__module__.split(".")[0] in LIBRARY
-    and _named(t.__module__, t.__qualname__)
-    and plain_state
-    and not builtin_base
-  )
-
-
-def _is_iterator(t: type) -> bool:
-  return hasattr(t, "__next__") and t.__module__ in ("builtins", "itertools", "collections")
-
-
-def decode(v):
-  if not isinstance(v, list):
-    return v
-  tag, payload = v[0], v[1]
-  if tag in ("float", "complex"):
-    return {"float": float, "complex": complex}[tag](payload)
-  if tag == "bytes":
-    return bytes.fromhex(payload)
-  if tag == "range":
-    return range(*payload)
-  if tag == "dict":
-    return {decode(k): decode(x) for k, x in payload}
-  if tag == "ref":
-    return resolve(payload, v[2])[0]
-  if tag == "obj":
-    cls = resolve(payload, v[2])[0]
-    obj = cls.__new__(cls)
-    vars(obj).update(decode(v[3]))
-    return obj
-  return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "iter": list}[tag](
-    decode(x) for x in payload
-  )
+Unencodable, encode, decode, resolve = codec.Unencodable, codec.encode, codec.decode, codec.resolve
+encode_call, decode_call = codec.encode_call, codec.decode_call
 
 
 class Channel:
-  def __init__(self):
-    fd = os.environ.get("COMPOSER_CHANNEL_FD", "")
-    self.fd = int(fd) if fd.isdigit() else None
+  def __init__(self, fd: int | None):
+    self.fd = fd
 
   def emit(self, **record) -> None:
     if self.fd is None:
@@ -162,18 +67,6 @@ class Channel:
     data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
     while data:
       data = data[os.write(self.fd, data) :]
-
-
-def resolve(module: str, qualname: str):
-  """The object `module.qualname` (a function, or a method looked up in its class's __dict__)."""
-  obj = importlib.import_module(module)
-  for part in qualname.split("."):
-    owner, obj = obj, getattr(obj, part)
-  if isinstance(owner, type):
-    raw = owner.__dict__.get(qualname.rsplit(".", 1)[-1])
-    if isinstance(raw, staticmethod | classmethod):
-      return obj, raw.__func__
-  return obj, obj
 
 
 def _code_of(fn):
@@ -196,22 +89,7 @@ def bound_args(frame) -> dict:
   return out
 
 
-def encode_call(bound: dict) -> dict:
-  """Arguments of one call (`bound_args`) as {"pos": [...], "var": [...], "kw": {name: ...}}, encoded."""
-  budget = [MAX_NODES]
-  return {
-    "pos": [encode(v, budget) for v in bound["pos"]],
-    "var": [encode(v, budget) for v in bound["var"]],
-    "kw": {k: encode(v, budget) for k, v in bound["kw"].items()},
-  }
-
-
-def decode_call(call: dict) -> tuple[list, dict]:
-  return [decode(v) for v in (*call["pos"], *call["var"])], {k: decode(v) for k, v in call["kw"].items()}
-
-
 def _pytest(spec: dict, chan: Channel) -> int:
-  os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
   import pytest
 
   record = spec.get("record")
@@ -257,12 +135,43 @@ def _pytest(spec: dict, chan: Channel) -> int:
         sys.setprofile(None)
         state["test"], state["frames"] = None, []
 
+  return _session(spec, Reporter(), spec.get("args", ()))
+
+
+def _session(spec: dict, plugin, paths) -> int:
+  """pytest.main with the fixed start-up, in every mode: the same session, environment and plugins."""
+  import pytest
+
   plugins = [a for p in spec.get("plugins", ()) for a in ("-p", p)]
-  args = ["-p", "no:cacheprovider", "--color=no", "-q", "--tb=short", *plugins, *spec.get("args", ())]
-  return int(pytest.main(args, plugins=[Reporter()]))
+  args = ["-p", "no:cacheprovider", "--color=no", "-q", "--tb=short", *plugins, *paths]
+  return int(pytest.main(args, plugins=[plugin]))
 
 
-def _calls(spec: dict, chan: Channel) -> int:
+def _driver(spec: dict, chan: Channel) -> int:
+  """The held-out calls, made from inside a pytest session that collects nothing: the code under test
+  runs in the same surroundings as in a test run (pytest's environment and plugins configured)."""
+  import pytest
+
+  class Driver:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session):
+      return True
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session):
+      capture = session.config.pluginmanager.getplugin("capturemanager")
+      capture.resume_global_capture()  # as while a test module is imported: output captured
+      try:
+        _calls(spec, chan)
+      finally:
+        capture.suspend_global_capture()
+      return True
+
+  _session(spec, Driver(), ())
+  return 0
+
+
+def _calls(spec: dict, chan: Channel) -> None:
   """Call the target on each call's arguments, `repeat` times; with `self_state`, a call's result is the
   pair (return value, state of its first argument afterwards): what a method that returns None does."""
   target, _ = resolve(spec["module"], spec["qualname"])
@@ -284,49 +193,76 @@ def _calls(spec: dict, chan: Channel) -> int:
         chan.emit(t="out", i=i, r=encode(out, results=True))
       except Unencodable as err:
         chan.emit(t="out", i=i, obj=str(err)[:200])
-  return 0
 
 
-def read_spec() -> dict:
-  fd = int(os.environ.pop("COMPOSER_INPUT_FD"))
+def take_fds() -> dict:
+  """The fds the sandbox passed, by kind: "input" (the spec's memfd), "gate" (a pipe's read end),
+  "channel" (a pipe's write end, moved to CHANNEL_FD). Found by what they are, not by a number in the
+  environment, so that every run's environment and open fds are the same."""
+  found = {}
+  for name in os.listdir("/proc/self/fd"):
+    fd = int(name)
+    try:
+      link, mode = os.readlink(f"/proc/self/fd/{fd}"), fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except OSError:  # the listing's own fd, closed by now
+      continue
+    pipe = link.startswith("pipe:")
+    kind = "input" if link.startswith("/memfd:inputs") else ("gate" if mode == os.O_RDONLY else "channel")
+    if fd > 2 and (pipe or kind == "input"):
+      found.setdefault(kind, fd)
+  ch = found.get("channel")
+  if ch is not None and ch != CHANNEL_FD:
+    for kind, fd in found.items():
+      if fd == CHANNEL_FD:
+        found[kind] = os.dup(fd)
+    os.dup2(ch, CHANNEL_FD)
+    os.close(ch)
+    found["channel"] = CHANNEL_FD
+  return found
+
+
+def read_spec(fd: int) -> dict:
   with os.fdopen(fd, "rb") as f:
     return json.loads(f.read())
 
 
 def warm_up(spec: dict) -> None:
-  """Imports that run no code of the task (pytest, the venv's plugins), done before the gate: the task's
-  roots are not on `sys.path` yet."""
-  if spec["mode"] != "pytest":
-    return
+  """Imports that run no code of the task (pytest, the venv's plugins), done before the gate (the task's
+  roots are not on `sys.path` yet) and in every mode, so no run has other modules loaded than another."""
   os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
   import pytest  # noqa: F401
 
-  for name in spec.get("plugins", ()):
+  try:  # pytest's own plugins, which every session imports (a private list: none if it moves)
+    from _pytest.config import default_plugins, essential_plugins
+  except ImportError:
+    default_plugins = essential_plugins = ()
+  builtin = [f"_pytest.{name}" for name in (*essential_plugins, *default_plugins)]
+  for name in (*builtin, *spec.get("plugins", ())):
     try:
       importlib.import_module(name)
     except Exception:  # noqa: BLE001 (pytest reports it when it loads the plugin)
       pass
 
 
-def wait_gate() -> None:
+def wait_gate(fd: int | None) -> None:
   """Held here until the grader opens the gate (the run before this one has ended); EOF: not to run."""
-  fd = os.environ.pop("COMPOSER_GATE_FD", "")
-  if fd.isdigit():
-    opened = os.read(int(fd), 1)
-    os.close(int(fd))
+  if fd is not None:
+    opened = os.read(fd, 1)
+    os.close(fd)
     if not opened:
       os._exit(5)
 
 
 def main(argv: list[str]) -> None:
-  spec = read_spec()
+  fds = take_fds()
+  spec = read_spec(fds["input"])
   warm_up(spec)
-  wait_gate()
+  wait_gate(fds.get("gate"))
   sys.path += [r for r in spec.get("roots", ()) if r not in sys.path]
-  LIBRARY.update(spec.get("packages", ()))
-  chan, rc = Channel(), 3
+  codec.LIBRARY.update(spec.get("packages", ()))
+  chan, rc = Channel(fds.get("channel")), 3
   try:
-    rc = _pytest(spec, chan) if spec["mode"] == "pytest" else _calls(spec, chan)
+    rc = _pytest(spec, chan) if spec["mode"] == "pytest" else _driver(spec, chan)
   finally:
     chan.emit(t="end", rc=rc)
     sys.stdout.flush()

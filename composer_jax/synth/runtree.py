@@ -158,6 +158,9 @@ def with_overlay(files: dict[str, bytes], overlay: dict[str, bytes | None]) -> d
   return out
 
 
-def library_only(files: dict[str, bytes]) -> dict[str, bytes]:
-  """The tree without anything a test could read: test files, conftests and test configuration."""
-  return {rel: data for rel, data in files.items() if not monitor.is_test_path(rel)}
+def without_hidden(files: dict[str, bytes], hidden) -> dict[str, bytes]:
+  """The tree without the hidden test files: what the agent saw (visible tests, conftests, configuration),
+  so no answer of a hidden test. Every run but the suite run starts from it, the held-out driver's too
+  (its tree then has the same layout as the others)."""
+  hidden = set(hidden)
+  return {rel: data for rel, data in files.items() if rel not in hidden}

@@ -15,8 +15,11 @@ Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md)
   stated by `limits_statement()`. The wall-clock limit SIGKILLs the process group; the PID namespace plus
   `--die-with-parent` take every descendant down with bwrap.
 - stdout and stderr are pipes read into bounded buffers (nothing is spooled to the host disk). With
-  `channel=True` the command also gets the write end of a pipe (its number in `$COMPOSER_CHANNEL_FD`):
-  the test runner reports results there, never through a file the sandboxed code could replace.
+  `channel=True` the command also gets the write end of a pipe: the test runner reports results there,
+  never through a file the sandboxed code could replace.
+- The extra fds (the channel's write end, the `inputs` memfd named "inputs", a gate's read end) are found
+  by the command by kind among its fds above 2; no number goes into its environment, which
+  `/proc/self/environ` would show for the life of the process (and which would differ between runs).
 - Nothing one run does may be read by another (issue 30): host-wide counters under /proc (open files,
   memory, load, CPU times, locks) are masked (`bwrap.py`), open files are capped per process, a tree
   gets at most `cgroups.CPU_QUOTA` CPUs, and what the command needs (the runner's spec) comes through a
@@ -25,8 +28,8 @@ Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md)
 """
 
 import dataclasses
-import itertools
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -39,17 +42,15 @@ from composer_jax.synth.bwrap import SRC_DIR, bwrap_args, default_env, venv_path
 
 WORKDIR = "/task"
 MAX_OUTPUT_BYTES = 1 << 20
-CHANNEL_ENV = "COMPOSER_CHANNEL_FD"
-INPUT_ENV = "COMPOSER_INPUT_FD"  # an fd holding `inputs` (a memfd: no file in the sandbox to read later)
-GATE_ENV = "COMPOSER_GATE_FD"  # a pipe the command may wait on before it runs anything untrusted
 MAX_OPEN_FILES = 512  # per process: enough for pytest, not for a host-wide open-file counter signal
 INSTALL_HINT = (
   "bubblewrap (`bwrap`) is required to run untrusted code and was not found on PATH. Install it: "
   "`sudo apt-get install -y bubblewrap` (Debian/Ubuntu; `bash .ci/setup` does this as root), "
   "`dnf install bubblewrap` (Fedora). Refusing to run unsandboxed."
 )
-_UID_BASE = 200_000  # throw-away uids, one per run, so concurrent runs do not share a process budget
-_uid_counter = itertools.count()
+# Throw-away uids, one per run drawn at random (a counter would tell a run its place among the others), so
+# concurrent runs do not share a process budget.
+_UID_BASE, _UID_SPAN = 200_000, 1 << 24
 _POLL_S = 0.05
 
 
@@ -59,8 +60,8 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-  """A run started early and held: the command reads `fd` (its end of a pipe, passed as $COMPOSER_GATE_FD)
-  before it runs anything untrusted; the caller writes the other end, then sets `opened`, from which the
+  """A run started early and held: the command reads `fd` (the read end of a pipe, found by kind) before
+  it runs anything untrusted; the caller writes the other end, then sets `opened`, from which the
   wall-clock limit counts."""
 
   fd: int  # read end; `run` closes it once the command holds it
@@ -210,7 +211,7 @@ def run(
   `cpu_s` (CPU seconds for the whole tree; per process without a cgroup) defaults to the wall-clock
   budget. `memory_bytes` caps each process's address space and, with a cgroup, the tree's memory.
   With `gate` the command is started at once but held (see Gate). `inputs` reach the command as a memfd
-  named by `$COMPOSER_INPUT_FD` (read it, then close it: no path in the sandbox holds them).
+  named "inputs" (read it, then close it: no path in the sandbox holds them).
   `tree_limits=False` skips the whole-tree meter (cgroup or /proc polling; a v1 cgroup costs tens of ms
   per run in migrations): for fixed commands on the agent's files (`cat`, `find`), never for its code.
   Raises `SandboxUnavailable` when bwrap is missing.
@@ -227,7 +228,7 @@ def run(
   cpu_s = int(cpu_s if cpu_s is not None else max(1, int(timeout_s) + 1))
   drop_to_uid, owner = None, None
   if os.geteuid() == 0:
-    drop_to_uid = _UID_BASE + (os.getpid() % 1000) * 1000 + next(_uid_counter) % 1000
+    drop_to_uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
     owner = os.stat(task_dir)  # lent to the throw-away uid for the run (copy_in: so it can read it all)
     _chown_tree(task_dir, drop_to_uid, drop_to_uid)
   spec = _Spec(task_dir, workdir, ro, dict(env or {}), drop_to_uid, binds, copy_in, task_bytes, tmp_bytes)
@@ -301,16 +302,12 @@ def _execute(
     input_fd = os.memfd_create("inputs", 0)
     os.write(input_fd, inputs)
     os.lseek(input_fd, 0, os.SEEK_SET)
-    env[INPUT_ENV] = str(input_fd)
-  if gate is not None:
-    env[GATE_ENV] = str(gate.fd)
   if seccomp.supported():
     seccomp_r, w = os.pipe()
     os.write(w, seccomp.program())
     os.close(w)
   if channel:
     chan_r, chan_w = os.pipe()
-    env[CHANNEL_ENV] = str(chan_w)
   argv = _argv(cmd, spec, lim, prlimit, bwrap_bin, env, seccomp_r)
   b = cgroups.backend()
   group = (
