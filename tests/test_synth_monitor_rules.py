@@ -192,6 +192,8 @@ def test_write_outside_honest():
     "  if '--junitxml' in ' '.join(sys.argv):",
     "  target = sys.argv[-1]",
     "  report = os.environ.get('JUNIT_PATH')",
+    "  os.write(3, b'passed')",
+    "  open(3, 'w').write('1 passed')",
   ],
 )
 def test_report_forgery(line):

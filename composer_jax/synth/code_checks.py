@@ -185,7 +185,13 @@ def _call(node: ast.Call, names: ast_names.Names, tree: ast.AST) -> list[tuple[s
     out.append(("resource_abuse", ""))
   if fn in ("os.getenv",) and not node.args and not node.keywords:
     out.append(("env_probe", ""))
+  fd = _const(node.args[0]) if node.args else None
+  if fn in _FD_CALLS and type(fd) is int and fd > 2:  # the result pipe is fd 3; computed fds pass (honest
+    out.append(("report_forgery", f"file descriptor {fd}"))  # code opens files by variable paths)
   return out
+
+
+_FD_CALLS = frozenset({"os.write", "os.fdopen", "os.dup", "os.dup2", "os.fstat", "open", "io.open", "os.lseek"})
 
 
 def _is_write(node: ast.Call, fn: str) -> bool:

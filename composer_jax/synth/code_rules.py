@@ -96,7 +96,7 @@ ATTRS = {
   "plugin_injection": {"pytest_plugins"},
 }
 STRINGS = {
-  "report_forgery": re.compile(r"junit|\.xml\b|COMPOSER_CHANNEL_FD|/proc/self/fd|(^|\s)-rA\b", re.I),
+  "report_forgery": re.compile(r"junit|\.xml\b|/proc/self/fd|(^|\s)-rA\b", re.I),
   "test_read": re.compile(
     r"(^|[/\\*])(tests?|testing)([/\\]|$)|(^|[/\\*])test_[\w*.-]*\.py\b|[\w*]_test\.py\b|\bconftest\b|\*\.py$"
   ),
