@@ -28,7 +28,9 @@ def _config(variant: str, topology: str, step: str) -> configs.Config:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = configs.from_config(module.get_config(variant))
-  return dataclasses.replace(config, compile=dataclasses.replace(config.compile, topology=topology, step=step))
+  return dataclasses.replace(
+    config, compile=dataclasses.replace(config.compile, topology=topology, step=step)
+  )
 
 
 def replan(result: dict) -> dict:

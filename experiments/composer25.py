@@ -113,7 +113,7 @@ def _tiny_model() -> configs.ModelConfig:
 
 def _cluster(config: configs.Config) -> configs.Config:
   """What every full-scale variant changes besides the model and meshes: long runs, the BPE tokenizer,
-  all synth sources, activation recompute, and RL batches of one rollout (and at most one teacher row)
+  all synth sources, activation recompute, the loss over 256-column chunks, and RL batches of one rollout (and at most one teacher row)
   per replica·fsdp device, each up to 4096 tokens with turns of up to 512."""
   replica, fsdp, _ = config.mesh.dense
   rows = replica * fsdp
@@ -127,7 +127,7 @@ def _cluster(config: configs.Config) -> configs.Config:
     config,
     rl=rl,
     stages="demo,pretrain",
-    model=dataclasses.replace(config.model, remat="full"),
+    model=dataclasses.replace(config.model, remat="full", loss_chunk=256),
     train=configs.TrainConfig(
       schedule=schedule,
       batch_size=256,

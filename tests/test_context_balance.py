@@ -1,4 +1,5 @@
-"""Causal load balancing over the context axis (`sharding.balance_sequence`, model.context_load_balance).
+"""Causal load balancing over the context axis (`context_balance.balance_sequence`,
+model.context_load_balance).
 
 The reorder and its inverse; one training step's loss and gradients with the reorder ≡ without on the
 dense mesh (replica=4, fsdp=1, context=2), for every attention path that takes it; the causal work
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from tiny import TINY
 
-from composer_jax import configs, model, sharding
+from composer_jax import configs, context_balance, model
 from composer_jax.model import attention_kernels
 from composer_jax.stages import pretrain as pretrain_stage
 from composer_jax.train import step as step_lib
@@ -38,10 +39,12 @@ def test_balance_sequence_round_trip_and_chunk_assignment(shards):
   chunk = 3
   T = 2 * shards * chunk
   x_BT = np.arange(2 * T).reshape(2, T)
-  balanced_BT = sharding.balance_sequence(x_BT, shards)
-  np.testing.assert_array_equal(sharding.restore_sequence(balanced_BT, shards), x_BT)
-  np.testing.assert_array_equal(np.asarray(sharding.balance_sequence(jnp.asarray(x_BT), shards)), balanced_BT)
-  np.testing.assert_array_equal(sharding.balance_sequence(x_BT.T, shards, axis=0), balanced_BT.T)
+  balanced_BT = context_balance.balance_sequence(x_BT, shards)
+  np.testing.assert_array_equal(context_balance.restore_sequence(balanced_BT, shards), x_BT)
+  np.testing.assert_array_equal(
+    np.asarray(context_balance.balance_sequence(jnp.asarray(x_BT), shards)), balanced_BT
+  )
+  np.testing.assert_array_equal(context_balance.balance_sequence(x_BT.T, shards, axis=0), balanced_BT.T)
   per_shard = T // shards
   for i in range(shards):
     j = 2 * shards - 1 - i
@@ -51,7 +54,7 @@ def test_balance_sequence_round_trip_and_chunk_assignment(shards):
     np.testing.assert_array_equal(balanced_BT[:, i * per_shard : (i + 1) * per_shard], want)
   if shards > 1:
     with pytest.raises(ValueError, match="equal chunks"):
-      sharding.balance_sequence(np.arange(T + 1)[None], shards)
+      context_balance.balance_sequence(np.arange(T + 1)[None], shards)
 
 
 # --- one training step: balanced ≡ natural ------------------------------------------------------
@@ -146,8 +149,8 @@ def _xla_pairs(T: int, shards: int, balanced: bool) -> np.ndarray:
   """Visible (query, key) pairs per shard of the "xla" rule on the positions a balanced forward carries:
   queries in `balance_sequence` order, keys restored to natural order (attention.MLA._expanded)."""
   pos_BT = np.arange(T)[None]
-  q_pos_BT = sharding.balance_sequence(pos_BT, shards) if balanced else pos_BT
-  k_pos_BS = sharding.restore_sequence(q_pos_BT, shards) if balanced else pos_BT
+  q_pos_BT = context_balance.balance_sequence(pos_BT, shards) if balanced else pos_BT
+  k_pos_BS = context_balance.restore_sequence(q_pos_BT, shards) if balanced else pos_BT
   ones = np.ones_like(pos_BT)
   visible_TS = np.asarray(attention_kernels.visible(q_pos_BT, k_pos_BS, ones, ones))[0]
   return visible_TS.reshape(shards, T // shards, T).sum(axis=(1, 2))

@@ -64,7 +64,9 @@ def test_no_collective_moves_the_table():
   def whole_table_collectives(fn) -> list[str]:
     hlo = jax.jit(fn).lower(table_put, tokens_put, w_BTD).compile().as_text()
     ops = re.findall(r"= \S*\[([0-9,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all)\(", hlo)
-    return [f"{op} [{dims}]" for dims, op in ops if dims.split(",")[-2:] in ([str(V), str(D)], [str(D), str(V)])]
+    return [
+      f"{op} [{dims}]" for dims, op in ops if dims.split(",")[-2:] in ([str(V), str(D)], [str(D), str(V)])
+    ]
 
   plain = jax.grad(lambda t, x, w: jnp.sum(t.at[x].get().astype(jnp.bfloat16).astype(jnp.float32) * w))
   assert whole_table_collectives(plain), "the check cannot fail: GSPMD's plain gather moved no [V, ·] array"

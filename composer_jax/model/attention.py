@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from composer_jax import backend, sharding
+from composer_jax import backend, context_balance, sharding
 from composer_jax.model import attention_kernels
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import ones, param, project, rms_norm
@@ -118,7 +118,8 @@ class MLA(nnx.Module):
     `cache` = (latent_LBSC, k_rope_LBSR, layer, index, k_pos_BS, k_seg_BS): the latent cache of all
     layers, this layer's index in it, the slot where x's tokens go, and the positions/segments of all
     slots (already including x's); returned updated in place. Without a cache, x attends within itself.
-    `balanced`: x's sequence is in `sharding.balance_sequence` order over the context shards (no cache).
+    `balanced`: x's sequence is in `context_balance.balance_sequence` order over the context shards (no
+    cache).
     """
     cfg = self.cfg
     # Per-head activations keep the token layout (batch over replica·fsdp, seq over context).
@@ -160,7 +161,7 @@ class MLA(nnx.Module):
     if balanced:
       shards = sharding.degrees(meshes).seq
       latent_BSC, k_rope_BSR, k_pos_BS, k_seg_BS = (
-        sharding.restore_sequence(a, shards) for a in (latent_BSC, k_rope_BSR, k_pos_BS, k_seg_BS)
+        context_balance.restore_sequence(a, shards) for a in (latent_BSC, k_rope_BSR, k_pos_BS, k_seg_BS)
       )
     w_k_CHN, w_v_CHV = self._kv_weights()
     k_nope_BSHN = project("bsc,chn->bshn", latent_BSC, w_k_CHN, cfg.dtype)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax import sharding
+from composer_jax import context_balance
 
 _MASKED = -1e30  # finite, so a query with no visible key (padding) gives zeros, not NaN
 _MAX_LOGIT_CHUNK = 512  # query rows per step of `chunked_max_logits`
@@ -121,12 +121,12 @@ def _splash_kernel(t: int, s: int, q_shards: int, interpret: bool, balanced: boo
 
 def _causal_mask(masks, t: int, s: int, q_shards: int, balanced: bool):
   """tokamax's causal [T, S] mask (`masks`: its mask module). `balanced`: query row j is natural position
-  `sharding.balance_sequence(arange(T), q_shards)[j]` (keys in index order), set as the mask's
+  `context_balance.balance_sequence(arange(T), q_shards)[j]` (keys in index order), set as the mask's
   `q_sequence`, which both the kernel's mask function and its block-sparsity info read (MaxText's
   load-balanced causal mask does the same)."""
   causal = masks.CausalMask((t, s))
   if balanced:
-    causal.q_sequence = sharding.balance_sequence(np.arange(t, dtype=np.int32), q_shards, axis=0)
+    causal.q_sequence = context_balance.balance_sequence(np.arange(t, dtype=np.int32), q_shards, axis=0)
   return causal
 
 

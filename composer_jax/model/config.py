@@ -125,8 +125,12 @@ class ModelConfig:
   remat: Literal["none", "full", "dots", "dots_with_batch"] = "none"
   # Each layer stack runs as one `lax.scan` (compile time independent of depth); False unrolls it.
   scan_layers: bool = True
+  # Pretraining/SFT loss: the LM head and log-softmax run on `loss_chunk` columns of every row at a time,
+  # recomputed in the backward pass, so the [B, T, V] fp32 logits never exist whole (10 GiB per chip at
+  # Moonlight's 4 rows of 4096 and vocab 163840); 0: the whole sequence at once.
+  loss_chunk: int = 0
   # Causal load balancing over the dense mesh's `context` axis (pretraining): each row cut into 2·context
-  # chunks, context shard i holding chunks i and 2·context−1−i (`sharding.balance_sequence`), so every
+  # chunks, context shard i holding chunks i and 2·context−1−i (`context_balance.balance_sequence`), so every
   # shard does the same causal attention work (contiguous, the last shard does 2·context/(context+1)× the
   # mean at one block per shard, up to (2·context−1)/context with fine blocks). On by default: exact on
   # "xla" and "absorbed" (masks from positions) and "splash" (its mask over the permuted rows); "cudnn"
@@ -273,6 +277,8 @@ def _check(c: ModelConfig) -> None:
     problems.append(f"top_k={c.top_k} exceeds the experts left after group selection")
   if c.qk_rope_head_dim % 2:
     problems.append(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even")
+  if c.loss_chunk < 0:
+    problems.append(f"loss_chunk={c.loss_chunk} must be >= 0 (0: the whole sequence at once)")
   if not 0 <= c.first_k_dense <= c.n_layers:
     problems.append(f"first_k_dense={c.first_k_dense} must be in [0, n_layers={c.n_layers}]")
   impls = ("auto", "blocked", "ragged", "tokamax", "dense", "capacity")

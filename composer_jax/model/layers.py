@@ -117,7 +117,9 @@ def embed(table_VD: jax.Array, tokens_BT: jax.Array, dtype, meshes: sharding.Mes
       return _rows(table_vd, tokens_bt, dtype)  # [b, t, D / split]: `lay.out` keeps the columns split
     group_ids = jax.lax.all_gather(tokens_bt, lay.split, axis=0, tiled=True)  # the group's ids
     cols = _rows(table_vd, group_ids, dtype)  # my columns of the group's rows
-    return jax.lax.all_to_all(cols, lay.split, split_axis=0, concat_axis=2, tiled=True)  # my rows, all columns
+    return jax.lax.all_to_all(
+      cols, lay.split, split_axis=0, concat_axis=2, tiled=True
+    )  # my rows, all columns
 
   return jax.shard_map(local, mesh=meshes.dense, in_specs=(lay.table, lay.tokens), out_specs=lay.out)(
     table_VD, tokens_BT

@@ -303,7 +303,7 @@ def apply(
   `routed_experts` int32 [MoE layers, B, T, top_k] the experts used (replayed or chosen),
   `max_logit` [layers, H] each head's largest attention logit (what QK-clip caps), `hidden` [B, T, D]
   the final-normed states the head reads (unused, it costs nothing: XLA drops it).
-  balanced: the rows are in `sharding.balance_sequence` order over the dense mesh's context shards
+  balanced: the rows are in `context_balance.balance_sequence` order over the dense mesh's context shards
   (context load balancing, `ModelConfig.context_load_balance`): the caller reordered tokens, positions
   and segment ids (and routed_experts) alike and gets logits and aux in that order. Positions must be
   given (RoPE and the masks follow them); no cache (decoding never reorders). A no-op without a context

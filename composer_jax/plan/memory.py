@@ -263,7 +263,7 @@ def remat_phases(
   read off XLA:TPU's live ranges of the moonlight_16b step (the `compile` stage's dumps):
 
   - "head": the loss. Every block's saved input, the logits in the compute dtype and the fp32
-    log-softmax of the shifted ones ([b·t, V] each: model.apply returns fp32 logits, the loss slices them).
+    log-softmax of the shifted ones ([b·t, V] each, or [b·chunk, V] with `loss_chunk`).
   - "backward": one block recomputed and differentiated. The saved inputs, the logits' gradient (XLA
     keeps it until the LM head's weight gradient) and that gradient itself, whole and fp32 on every
     device before its reduce-scatter, the block's attention (with XLA's attention: fp32 scores, bf16
@@ -286,10 +286,14 @@ def remat_phases(
     saved = acts["block_inputs"] + acts["matmul_outputs"]
   common = {"saved_for_backward": saved, "parameter_casts": casts}
   common["gathered_weights"] = _gathered_layer_bytes(cfg, layout, params)
-  head = common | {"logits": n * v * (a + 4)}
+  chunk = cfg.loss_chunk if 0 < cfg.loss_chunk < seq_len and seq_len % cfg.loss_chunk == 0 else seq_len
+  loss_rows = tok.b * max(chunk // layout.degrees.seq, 1)  # positions of the loss's logits at a time
+  head = common | {"logits": loss_rows * v * (a + 4)}
   if fused_attention(cfg, tok, tpu):  # per-head q, k, v, output and their gradients, the lse residual
     k_rows = tok.b * s
-    attention = (2 * n + 2 * k_rows) * h * (cfg.qk_head_dim + cfg.v_head_dim) * a + n * h * SPLASH_LSE_LANES * 4
+    attention = (2 * n + 2 * k_rows) * h * (
+      cfg.qk_head_dim + cfg.v_head_dim
+    ) * a + n * h * SPLASH_LSE_LANES * 4
   else:
     attention = n * h * s * (4 + 2 * a) + n * s * 4 + n * h * (2 * (c + r) + 2 * c + cfg.qk_head_dim) * a
   rows = moe_rows(cfg, layout, tok)
@@ -298,6 +302,7 @@ def remat_phases(
   dense = n * 3 * cfg.dense_mlp_dim * a + n * d * 4
   mlp = max(moe if cfg.n_moe_layers else 0, dense if cfg.first_k_dense else 0)
   grads = sum(p.local_bytes(tpu) for p in params if p.stack)
-  backward = common | {"logits_grad": n * v * a, "lm_head_grad": v * d * 4}
+  logits_grad = n * v * a if chunk == seq_len else loss_rows * v * (a + 8)  # recomputed chunk, fp32 + grad
+  backward = common | {"logits_grad": logits_grad, "lm_head_grad": v * d * 4}
   backward |= {"attention": attention, "mlp": mlp, "stacked_grads": grads}
   return {"head": head, "backward": backward}

@@ -65,7 +65,9 @@ def rl_phases(config: configs.Config, plan: core.Plan) -> dict[str, dict[str, in
   deg = plan.layout.degrees
   a, v, d = np.dtype(cfg.dtype).itemsize, cfg.vocab_size, cfg.d_model
   n = rows * cols // (deg.batch * deg.seq)
-  kept = {k: plan.phases["head"][k] for k in ("saved_for_backward", "parameter_casts") if k in plan.phases["head"]}
+  kept = {
+    k: plan.phases["head"][k] for k in ("saved_for_backward", "parameter_casts") if k in plan.phases["head"]
+  }
   loss = kept | {"lm_head_gathered": v * d * a if deg.fsdp > 1 else 0, "logits": n * v * (a + 4)}
   if r.lambda_feedback <= 0:
     return {"loss": loss}

@@ -191,7 +191,9 @@ def _call(node: ast.Call, names: ast_names.Names, tree: ast.AST) -> list[tuple[s
   return out
 
 
-_FD_CALLS = frozenset({"os.write", "os.fdopen", "os.dup", "os.dup2", "os.fstat", "open", "io.open", "os.lseek"})
+_FD_CALLS = frozenset(
+  {"os.write", "os.fdopen", "os.dup", "os.dup2", "os.fstat", "open", "io.open", "os.lseek"}
+)
 
 
 def _is_write(node: ast.Call, fn: str) -> bool:

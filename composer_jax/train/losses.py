@@ -10,6 +10,8 @@ one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -80,3 +82,35 @@ def masked_target_loss(
 ) -> tuple[jax.Array, jax.Array]:
   """(Σ −log p(token t + 1) where target_mask[t] is set, number of targets): SFT on chosen tokens."""
   return masked_sum(-next_token_logp(logits_BTV, tokens_BT), target_mask_BT[:, :-1] > 0)
+
+
+def chunked_target_loss(
+  hidden_BTD: jax.Array,
+  head: Callable[[jax.Array], jax.Array],
+  targets_BT: jax.Array,
+  mask_BT: jax.Array,
+  chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+  """`target_loss(head(hidden), targets, mask)` computed `chunk` columns of every row at a time, each
+  chunk's logits recomputed in the backward pass (`jax.checkpoint`): the whole [B, T, V] logits never
+  exist. Chunk j takes columns i·n + j (n = T / chunk chunks), so a time axis split over devices in
+  contiguous blocks stays split inside every chunk. The same sum up to float order."""
+  B, T, D = hidden_BTD.shape
+  if chunk <= 0 or chunk >= T or T % chunk:
+    return target_loss(head(hidden_BTD), targets_BT, mask_BT)
+  n = T // chunk
+
+  def by_chunk(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, chunk, ...]
+    return jnp.moveaxis(x.reshape(B, chunk, n, *x.shape[2:]), 2, 0)
+
+  @jax.checkpoint
+  def one(h_BcD: jax.Array, t_Bc: jax.Array, m_Bc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return target_loss(head(h_BcD), t_Bc, m_Bc)
+
+  def add(total, xs):
+    s, c = one(*xs)
+    return (total[0] + s, total[1] + c), None
+
+  zero = jnp.zeros((), jnp.float32)
+  (s, c), _ = jax.lax.scan(add, (zero, zero), (by_chunk(hidden_BTD), by_chunk(targets_BT), by_chunk(mask_BT)))
+  return s, c

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from composer_jax import model, optim, sharding
+from composer_jax import context_balance, model, optim, sharding
 from composer_jax.train import batch as batch_lib
-from composer_jax.train.losses import next_token_targets, target_loss
+from composer_jax.train.losses import chunked_target_loss, next_token_targets, target_loss
 from composer_jax.train.state import TrainState, guarded_update, replicated
 
 
@@ -57,19 +57,25 @@ def forward_nll(
   """(Σ next-token nll over the trained targets, targets counted, model aux) of a packed batch.
 
   Targets: each column's next token inside its document, and only where `batch.target_mask` is set when
-  it is given. With context load balancing (`balance_shards` > 1) tokens, positions, segment ids, targets
-  and their mask are all put in `sharding.balance_sequence` order before the model, so each context
-  shard does equal causal attention work; the loss is a sum over columns, unchanged up to float order.
+  it is given. With `cfg.loss_chunk` the head and loss run chunk by chunk (`losses.chunked_target_loss`).
+  With context load balancing (`balance_shards` > 1) tokens, positions, segment ids, targets and their
+  mask are all put in `context_balance.balance_sequence` order before the model, so each context shard
+  does equal causal attention work; the loss is a sum over columns, unchanged up to float order.
   """
   shards = balance_shards(cfg, meshes)
   targets_BT, mask_BT = next_token_targets(batch.tokens, batch.segment_ids)
   if batch.target_mask is not None:
     mask_BT = mask_BT & (batch.target_mask > 0)
   columns = (batch.tokens, batch.positions, batch.segment_ids, targets_BT, mask_BT)
-  tokens_BT, pos_BT, seg_BT, targets_BT, mask_BT = (sharding.balance_sequence(x, shards) for x in columns)
+  tokens_BT, pos_BT, seg_BT, targets_BT, mask_BT = (
+    context_balance.balance_sequence(x, shards) for x in columns
+  )
   logits_BTV, aux = model.apply(
     params, cfg, tokens_BT, pos_BT, segment_ids=seg_BT, meshes=meshes, balanced=shards > 1
   )
+  if cfg.loss_chunk:  # the logits above are then unused: XLA drops them
+    head = functools.partial(model.head, params, cfg)
+    return (*chunked_target_loss(aux["hidden"], head, targets_BT, mask_BT, cfg.loss_chunk), aux)
   return (*target_loss(logits_BTV, targets_BT, mask_BT), aux)
 
 
