@@ -387,7 +387,7 @@ def main():
         continue  # finished before
       print(f"== {LABEL[arm]}, seed {seed}", flush=True)
       rcfg = arm_config(config_s.rl, arm, int(seed), args.flag_penalty)
-      r = runs.setdefault(arm, {})[seed] = run_arm(config_s, workdir_s, rcfg, f"rl_{arm}_{seed}")
+      r = runs.setdefault(arm, {})[seed] = run_arm(config_s, workdir_s, rcfg, f"rl_{arm}_{seed}{args.tag}")
       ev = r["evals"]
       print(
         f"   fixed-set reward {ev[0]['reward']:.3f} -> {ev[-1]['reward']:.3f}, invalid-call rate "

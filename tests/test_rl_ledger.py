@@ -15,7 +15,7 @@ from composer_jax.rl.envs import factories, ledger
 from composer_jax.stages import rl as rl_stage
 
 TOK = chat.BYTE_TOKENIZER
-RULE = "Note: fadd wraps above 99; use add when a+b >= 100."
+RULE = "fadd wraps above 99; use add when a+b >= 100."
 
 
 def _env(k=3, mode="silent", **kw):
@@ -107,7 +107,7 @@ def test_detector_flags_exactly_a_wrapping_fadd_and_the_hints():
   assert feedback.detect(traj, info) == [(3, "wrapping_call")]  # the second call, after prompt and reply
   assert feedback.hint_for("wrapping_call", info) == RULE == ledger.RULE
   assert feedback.hint_for("wrapping_call", info, variant="wrong") == (
-    "Note: add wraps above 99; use fadd when a+b >= 100."
+    "add wraps above 99; use fadd when a+b >= 100."
   )
   assert feedback.hint_for("wrapping_call", info, variant="null") == feedback.NULL_NOTE
   assert (
@@ -128,7 +128,7 @@ def test_informative_arm_continues_and_the_entry_is_redone():
   traj = envs.rollout(env, s, scripted(calls + [("done",)]), max_turns=env.max_turns)
   obs = [TOK.decode(traj.turn_tokens(k)) for k, r in enumerate(traj.turn_roles) if r == chat.TOOL]
   assert (
-    obs[0] == f"<|tool_result|>{RULE}<|/tool_result|>"
+    obs[0] == f"<|tool_result|>{RULE} next {a} {b}<|/tool_result|>"
     and obs[1] == f"<|tool_result|>next {rest[0][0]} {rest[0][1]}<|/tool_result|>"
   )
   assert env.ledger == [a + b, *(x + y for x, y in rest)] and traj.status == chat.COMPLETED

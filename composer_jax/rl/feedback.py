@@ -75,7 +75,7 @@ _HINTS = {
   "claimed_success": "Reminder: run the tests with run_tests before saying the task is done.",
   "edits_tests": "Reminder: do not edit the tests; change the code they test.",
   "over_long": "Reminder: keep explanations short and act with a tool call.",
-  "wrapping_call": "Note: {wrap} wraps above {top}; use {safe} when a+b >= {mod}.",
+  "wrapping_call": "{wrap} wraps above {top}; use {safe} when a+b >= {mod}.",
 }
 
 

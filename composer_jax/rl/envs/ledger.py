@@ -10,7 +10,7 @@ wraps above 99. One terminal, binary reward over about K/2 risky decisions.
 Modes (`LedgerEnv(cfg, mode)`): "sft" (the SFT server: fadd is correct), "silent" (RL, arms alone,
 penalty, feedback, distill, and every evaluation: fadd wraps mod 100 when a+b >= 100, nothing says so),
 "informative" (RL, arm informative: such a call records nothing, the rule comes back as the tool's
-reply, the entry can be redone, and each such call costs `redo_cost`).
+reply with the pair to redo, the entry can be redone, and each such call costs `redo_cost`).
 
 The server names the next pair in each reply, so after the first turn the operands are copied from the
 last message: the tiny model's difficulty is the add/fadd choice, not retrieval from a long prompt. Pairs
@@ -42,7 +42,7 @@ INFO = {
   "decoys": (("fadd", "add"), ("add", "fadd")),  # the gate's wrong-content hint swaps the two
   "arity": (("add", 2), ("fadd", 2), ("done", 0)),
 }
-RULE = feedback.hint_for("wrapping_call", INFO)  # "Note: fadd wraps above 99; use add when a+b >= 100."
+RULE = feedback.hint_for("wrapping_call", INFO)  # "fadd wraps above 99; use add when a+b >= 100."
 FULL = "ledger full"
 
 
@@ -142,10 +142,10 @@ class LedgerEnv:
 
   def step(self, call: chat.ToolCall | chat.ParseError) -> Step:
     err = call_error(call, self.mode)
-    if err == RULE:
+    if err == RULE:  # the pair to redo comes with the rule, as every reply names the pair to enter
       self.first.setdefault(len(self.ledger), "fadd")
       self.redos += 1
-      return Step(err, False, ok=False)
+      return Step(f"{RULE} {reply(self.pairs, len(self.ledger))}", False, ok=False)
     if err:
       self.invalid += 1
       return Step(err, False, ok=False)
@@ -192,7 +192,7 @@ def budget(k: int, tok: Tokenizer, max_turn_tokens: int) -> tuple[int, int]:
   turns = k + 1 + 2 + k // 2
   first = len(chat.message_ids(chat.USER, prompt(((99, 99),) * k, rule=True), tok)) + 1
   errors = [call_error(chat.ParseError(kind)) for kind in ("no_call", "malformed")]
-  replies = [RULE, reply(((99, 99),), 0), FULL, call_error(chat.ToolCall("x")), *errors]
+  replies = [f"{RULE} {reply(((99, 99),), 0)}", FULL, call_error(chat.ToolCall("x")), *errors]
   longest = max(len(chat.message_ids(chat.TOOL, r, tok)) for r in replies) + 2  # + <|end_turn|>, header
   return turns, bucket(first, 16) + max_turn_tokens + (turns - 1) * (bucket(longest, 16) + max_turn_tokens)
 
@@ -257,7 +257,7 @@ def demonstrations(
         knows = True
       elif i == at and kind == "informative":
         _shown(traj, ("fadd", str(a), str(b)), tok)
-        traj.add_message(chat.TOOL, RULE, tok)
+        traj.add_message(chat.TOOL, f"{RULE} {reply(pairs, i)}", tok)
         knows = True
       elif i == at and kind == "null_note":
         traj.add_message(chat.USER, feedback.NULL_NOTE, tok)
