@@ -152,13 +152,16 @@ def markdown(table: dict) -> str:
 
 
 def ledger_rl(rcfg: configs.RLConfig, k: int, tokenizer: str) -> configs.RLConfig:
-  """`rcfg` on the ledger env at K pairs, with the turns and cache slots a whole episode needs."""
+  """`rcfg` on the ledger env at K pairs, with the turns and cache slots a whole episode needs, and a
+  teacher row for every rollout (at K = 12 nearly every rollout is flagged: with fewer rows the teacher
+  would see only the first ones while the penalty arm sees them all)."""
   from composer_jax.rl.envs import ledger
 
   turns, slots = ledger.budget(k, chat.tokenizer(tokenizer), rcfg.max_turn_tokens)
   return dataclasses.replace(
-    rcfg, env="ledger", ledger=dataclasses.replace(rcfg.ledger, k=k), max_turns=turns, cache_len=slots
-  )
+    rcfg, env="ledger", ledger=dataclasses.replace(rcfg.ledger, k=k), max_turns=turns, cache_len=slots,
+    feedback_rows=rcfg.problems_per_step * rcfg.group_size,
+  )  # fmt: skip
 
 
 def summary(runs: dict, short_results: str | None = None) -> tuple[list[str], dict]:
