@@ -1,16 +1,26 @@
-"""RL alone vs RL + targeted text feedback vs a null-hint control, paired over seeds, from one SFT checkpoint.
+"""RL alone vs RL + targeted text feedback vs controls, paired over seeds, from SFT checkpoints.
 
   python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --seeds=0,1,2,3,4,5 --steps=30 \\
       --out=runs/rl_feedback/summary.md   # pretrain + SFT once (cached), the gate, then 3 arms x 6 seeds
   python benchmarks/rl_feedback.py --workdir=runs/rl_feedback --coding_only     # coding env, 1 RL step
+  python benchmarks/rl_feedback.py --workdir=runs/ledger --ledger_k=12 --sft_per_seed \\
+      --arms=alone,informative,penalty,feedback,distill --tag=_ledger12 \\
+      --short_results=runs/ledger/rl_feedback_ledger3.json   # ledger-K (issue 32), each seed its own SFT
 
 The stack is the `run.py` pipeline's: the tiny variant's model pretrained, SFT'd and RL-trained on both
 meshes (8 CPU devices) with sharded Muon; each arm is the rl stage's own `run_arm`.
 
 Arms (`--arms`): `alone` (λ = 0), `feedback` (the config's feedback settings), `null` (the same loss, a
-neutral note as the "hint": `rl.hint=null`). Within a seed every arm starts from the same SFT checkpoint
-and sees the same problems and sampling keys at every step (pure functions of (rl.seed, step)); all arms
-are scored on one fixed set of new problems (`--eval_problems`, every `--eval_every` steps).
+neutral note as the "hint": `rl.hint=null`), and for the ledger env `informative` (λ = 0, the hint as the
+tool's reply to a wrapping fadd, the entry redone: `rl.ledger.informative`), `penalty` (λ = 0, the first
+flagged turn's tokens get −`--flag_penalty` advantage), `distill` (the feedback term alone:
+`rl.policy_gradient=False`). Within a seed every arm starts from the same SFT checkpoint and sees the same
+problems and sampling keys at every step (pure functions of (rl.seed, step)); all arms are scored on one
+fixed set of new problems (`--eval_problems`, every `--eval_every` steps), in the silent env for the ledger.
+With `--sft_per_seed` each seed has its own pretrain and SFT run (`<workdir>/seed<s>`, `seed` = s);
+otherwise every seed starts from one checkpoint. `--ledger_k=K` selects the ledger env at K pairs with
+the turn and cache budget of K (`ledger.budget`); its SFT stage is run at `--sft_k`'s budget whatever K,
+so runs at several K share each seed's SFT checkpoint. The ledger's verdict is `ledger_compare`'s.
 
 Primary metrics per seed: the fixed-set reward after the last step and the area under the fixed-set
 reward curve (`rl.stats.curve_mean`: trapezoid ÷ step range). The comparison passes when the one-sided
@@ -35,12 +45,15 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)  # the meshes' 8 devices (as run.py and the tests)
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+
+import ledger_compare  # noqa: E402  (benchmarks/, on the path above)
 
 from composer_jax import configs, optim, pipeline, sharding, train  # noqa: E402
 from composer_jax.rl import chat, stats  # noqa: E402
@@ -52,8 +65,15 @@ from composer_jax.stages import weights  # noqa: E402
 from composer_jax.train import loop as train_loop  # noqa: E402
 from composer_jax.train import step as step_lib  # noqa: E402
 
-ARMS = ("alone", "feedback", "null")
-LABEL = {"alone": "RL alone", "feedback": "RL + feedback", "null": "RL + null hint"}
+ARMS = ("alone", "feedback", "null", "informative", "penalty", "distill")
+LABEL = {
+  "alone": "RL alone",
+  "feedback": "RL + feedback",
+  "null": "RL + null hint",
+  "informative": "RL + informative error",
+  "penalty": "RL + detector penalty",
+  "distill": "distillation only",
+}
 
 
 def experiment_config():
@@ -63,10 +83,21 @@ def experiment_config():
   return configs.from_config(mod.get_config("tiny"))
 
 
-def arm_config(base: configs.RLConfig, arm: str, seed: int) -> configs.RLConfig:
-  if arm == "alone":
-    return dataclasses.replace(base, lambda_feedback=0.0, seed=seed)
-  return dataclasses.replace(base, seed=seed, hint="null" if arm == "null" else "task")
+def arm_config(base: configs.RLConfig, arm: str, seed: int, flag_penalty: float = 1.0) -> configs.RLConfig:
+  """The arm's rl section: the base's settings with only what the arm changes (λ, hint, env mode, penalty,
+  policy gradient); an arm's own setting never leaks into another."""
+  if arm not in ARMS:
+    raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+  if arm == "informative" and base.env != "ledger":
+    raise ValueError("arm informative needs rl.env=ledger (the env that answers a wrapping fadd)")
+  env = dataclasses.replace(base.ledger, informative=arm == "informative")
+  r = dataclasses.replace(
+    base, seed=seed, hint="null" if arm == "null" else "task", flag_penalty=0.0,
+    policy_gradient=arm != "distill", ledger=env,
+  )  # fmt: skip
+  if arm in ("alone", "informative", "penalty"):
+    r = dataclasses.replace(r, lambda_feedback=0.0)
+  return dataclasses.replace(r, flag_penalty=flag_penalty) if arm == "penalty" else r
 
 
 def run_arm(config, workdir, rcfg, name):
@@ -195,18 +226,25 @@ def markdown(table: dict) -> str:
   return "\n".join(rows)
 
 
-def plot(runs: dict, plots: pathlib.Path, tag: str) -> list[str]:
+_CURVES = (
+  ("reward", "evals", "fixed-set reward", "eval"),
+  ("invalid_call_rate", "evals", "fixed-set invalid-call rate", "invalid"),
+  ("reward", "history", "training reward (each step's rollouts)", "train"),
+)
+_LEDGER_CURVES = (
+  (ledger_compare.M1, "evals", "M1: first-attempt fadd on risky pairs (silent env)", "m1"),
+  ("pass_rate", "evals", "M2: all entries right (silent env)", "m2"),
+)
+
+
+def plot(runs: dict, plots: pathlib.Path, tag: str, curves=_CURVES) -> list[str]:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   paths = []
-  for key, src, label, name in (
-    ("reward", "evals", "fixed-set reward", "eval"),
-    ("invalid_call_rate", "evals", "fixed-set invalid-call rate", "invalid"),
-    ("reward", "history", "training reward (each step's rollouts)", "train"),
-  ):
+  for key, src, label, name in curves:
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for i, (arm, by_seed) in enumerate(runs.items()):
       curves = [r[src] for r in by_seed.values()]
@@ -231,7 +269,9 @@ def plot(runs: dict, plots: pathlib.Path, tag: str) -> list[str]:
 
 
 _EVAL_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate")
+_EVAL_KEYS += (ledger_compare.M1, "safe_accuracy", "attempted", "all_correct", "sampled_nll")
 _STEP_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate", "feedback_turns_per_rollout", "entropy")
+_STEP_KEYS += (ledger_compare.M1,)
 
 
 def compact(runs: dict) -> dict:
@@ -266,6 +306,11 @@ def parse():
   ap.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"))
   ap.add_argument("--results", default=None, help="also write compact results (and the gate) to this folder")
   ap.add_argument("--coding_only", action="store_true", help="1 RL step on the coding env, then stop")
+  ap.add_argument("--ledger_k", type=int, default=0, help="the ledger env with K pairs (0: the config's env)")
+  ap.add_argument("--sft_k", type=int, default=12, help="ledger: the K whose budget the SFT stage runs at")
+  ap.add_argument("--flag_penalty", type=float, default=1.0, help="arm penalty's extra negative advantage")
+  ap.add_argument("--sft_per_seed", action="store_true", help="each seed its own pretrain + SFT run")
+  ap.add_argument("--short_results", default=None, help="ledger: the short-K results JSON (interaction)")
   return ap.parse_args()
 
 
@@ -280,44 +325,69 @@ def build_config(args):
     node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value.lower() == "true"
   cd.rl.schedule.update(steps=args.steps, eval_every=args.eval_every)
   cd.rl.eval_problems = args.eval_problems
-  return configs.from_config(cd)
+  config = configs.from_config(cd)
+  if args.ledger_k:
+    config = dataclasses.replace(
+      config, rl=ledger_compare.ledger_rl(config.rl, args.ledger_k, config.data.tokenizer)
+    )
+  return config
+
+
+_PREPARED: set[str] = set()
+
+
+def prepare(config, args, workdir: str, seed: str) -> tuple:
+  """(config, workdir) of a seed's arms, after pretrain -> sft (-> gate) ran there as run.py runs them
+  (finished stages with this config are skipped): `<workdir>/seed<s>` with `seed` = s under
+  `--sft_per_seed`, else `workdir` for every seed. Exits when the gate failed (unless told to go on)."""
+  if args.sft_per_seed:
+    config, workdir = dataclasses.replace(config, seed=int(seed)), str(pathlib.Path(workdir, f"seed{seed}"))
+  if workdir in _PREPARED:
+    return config, workdir
+  _PREPARED.add(workdir)
+  upstream = config
+  if config.rl.env == "ledger":  # one SFT per seed for every K: the stages at --sft_k's budget
+    upstream = dataclasses.replace(
+      config, rl=ledger_compare.ledger_rl(config.rl, args.sft_k, config.data.tokenizer)
+    )
+  stages = "pretrain,sft,gate" if args.gate else "pretrain,sft"
+  pipeline.run(dataclasses.replace(upstream, stages=stages), workdir)
+  if args.gate:
+    g = json.loads(pathlib.Path(workdir, "gate.json").read_text())
+    print(f"- gate ({workdir}): {'PASS' if g['passed'] else 'FAIL'}", flush=True)
+    for k, v in g.get("gates", {}).items():
+      print(f"  - {k} {'pass' if v['pass'] else 'FAIL'}: {v['why']}", flush=True)
+    if not g["passed"] and not args.past_failed_gate:  # a comparison on a failed precondition is no result
+      sys.exit(f"the gate failed on the SFT checkpoint of {workdir}; no RL run (--past_failed_gate to go on)")
+  return config, workdir
 
 
 def main():
   args = parse()
   config = build_config(args)
   workdir = str(pathlib.Path(args.workdir).absolute())
-  # pretrain -> sft (-> gate) as run.py runs them: finished stages with this config are skipped.
-  upstream = "pretrain,sft,gate" if args.gate else "pretrain,sft"
-  pipeline.run(dataclasses.replace(config, stages=upstream), workdir)
   if args.coding_only:
+    pipeline.run(dataclasses.replace(config, stages="pretrain,sft"), workdir)
     res = coding_check(config, workdir)
     print(
       json.dumps({k: v for k, v in res.items() if k != "history"} | {"history": res["history"]}, default=str)
     )
     return
-  report = [f"## RL alone vs RL + feedback vs null hint ({config.rl.env} env){args.tag}", ""]
-  if args.gate:
-    gate_path = pathlib.Path(workdir, "gate.json")  # the gate of this SFT checkpoint (the pipeline's)
-    g = json.loads(gate_path.read_text())
-    report += [f"- gate: {'PASS' if g['passed'] else 'FAIL'}"] + [
-      f"  - {k} {'pass' if v['pass'] else 'FAIL'}: {v['why']}" for k, v in g.get("gates", {}).items()
-    ]
-    if not g["passed"] and not args.past_failed_gate:  # a comparison on a failed precondition is no result
-      print("\n".join(report), flush=True)
-      sys.exit(
-        f"the gate failed on this SFT checkpoint ({gate_path}); no RL run (--past_failed_gate to go on)"
-      )
+  report = [f"## {', '.join(LABEL[a] for a in args.arms.split(','))} ({config.rl.env} env){args.tag}", ""]
   path = pathlib.Path(workdir, f"rl_feedback{args.tag}.json")
   runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+  gates = {}
   # Seed-major: each seed's arms finish together, so a run cut short still leaves complete pairs.
   for seed in args.seeds.split(","):
+    config_s, workdir_s = prepare(config, args, workdir, seed)
+    if pathlib.Path(workdir_s, "gate.json").exists():
+      gates[seed] = json.loads(pathlib.Path(workdir_s, "gate.json").read_text())
     for arm in args.arms.split(","):
       if len(runs.get(arm, {}).get(seed, {}).get("history", [])) >= args.steps:
         continue  # finished before
       print(f"== {LABEL[arm]}, seed {seed}", flush=True)
-      rcfg = arm_config(config.rl, arm, int(seed))
-      r = runs.setdefault(arm, {})[seed] = run_arm(config, workdir, rcfg, f"rl_{arm}_{seed}")
+      rcfg = arm_config(config_s.rl, arm, int(seed), args.flag_penalty)
+      r = runs.setdefault(arm, {})[seed] = run_arm(config_s, workdir_s, rcfg, f"rl_{arm}_{seed}{args.tag}")
       ev = r["evals"]
       print(
         f"   fixed-set reward {ev[0]['reward']:.3f} -> {ev[-1]['reward']:.3f}, invalid-call rate "
@@ -325,8 +395,6 @@ def main():
         flush=True,
       )
       path.write_text(json.dumps({"runs": runs, "rl": configs.plain(config.rl)}, indent=1, default=str))
-  table = per_seed(runs)
-  lines, ok = verdict(table)
   plots = pathlib.Path(args.plots)
   plots.mkdir(parents=True, exist_ok=True)
   r = config.rl
@@ -335,21 +403,32 @@ def main():
     f"{r.objective}, lr {r.lr}; "
     f"feedback: λ {r.lambda_feedback}, {r.feedback_mode} form, {r.divergence}, {r.teacher} teacher, "
     f"{r.feedback_tokens} tokens (threshold {r.divergence_threshold}), clip {r.feedback_clip}; fixed set "
-    f"{r.eval_problems} problems every {r.schedule.eval_every} steps",
+    f"{r.eval_problems} problems every {r.schedule.eval_every} steps; SFT "
+    f"{'per seed' if args.sft_per_seed else 'shared by the seeds'}",
     "",
-    markdown(table),
-    "",
-    *lines,
-    f"- comparison: {'PASS' if ok else 'FAIL'}",
-    "- plots: " + ", ".join(plot(runs, plots, args.tag)),
+    markdown(per_seed(runs)),
   ]
+  comparison = None
+  if r.env == "ledger":
+    lines, comparison = ledger_compare.summary(runs, args.short_results)
+    report += lines + ["- plots: " + ", ".join(plot(runs, plots, args.tag, _CURVES + _LEDGER_CURVES))]
+  else:
+    lines, ok = verdict(per_seed(runs))
+    report += [
+      "",
+      *lines,
+      f"- comparison: {'PASS' if ok else 'FAIL'}",
+      "- plots: " + ", ".join(plot(runs, plots, args.tag)),
+    ]
   if args.results:
     out = pathlib.Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     body = {"runs": compact(runs), "rl": configs.plain(config.rl), "sft": configs.plain(config.sft)}
+    body |= {"sft_per_seed": args.sft_per_seed} | ({"comparison": comparison} if comparison else {})
     (out / f"rl_feedback{args.tag}.json").write_text(json.dumps(body, indent=None, default=str) + "\n")
-    if pathlib.Path(workdir, "gate.json").exists():
-      (out / f"rl_feedback_gate{args.tag}.json").write_text(pathlib.Path(workdir, "gate.json").read_text())
+    if gates:
+      gate = gates if args.sft_per_seed else next(iter(gates.values()))
+      (out / f"rl_feedback_gate{args.tag}.json").write_text(json.dumps(gate, indent=1) + "\n")
   text = "\n".join(report)
   print(text, flush=True)
   if args.out:

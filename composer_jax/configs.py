@@ -13,9 +13,10 @@ length) are computed here in code, never stored, so an override of their source 
 One `model` and one tokenizer (`data.tokenizer`, which has the chat format's special tokens) serve every
 stage: pretrain -> sft -> gate -> rl train the same weights on the same two meshes.
 
-Nothing in `composer_jax` is imported here but `strict` (the generic conversion) and `model/config.py`
-(ModelConfig and RopeConfig, re-exported): importing it loads jax and flax through the model package, but
-touches no backend, so `run.py` can still choose the device count afterwards.
+Nothing in `composer_jax` is imported here but `strict` (the generic conversion), `env_configs` (the rl
+section's environment sub-sections) and `model/config.py` (ModelConfig and RopeConfig, re-exported):
+importing it loads jax and flax through the model package, but touches no backend, so `run.py` can still
+choose the device count afterwards.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import dataclasses
 from typing import Any
 
 from composer_jax import strict
+from composer_jax.env_configs import CodingEnvConfig, LedgerEnvConfig, StaleEnvConfig
 from composer_jax.model.config import ModelConfig, RopeConfig
 from composer_jax.strict import ConfigError, fingerprint, from_dict, plain, record, to_config_dict
 
@@ -35,6 +37,7 @@ __all__ = [
   "DataConfig",
   "DemoConfig",
   "GateConfig",
+  "LedgerEnvConfig",
   "MeshConfig",
   "ModelConfig",
   "OptimizerConfig",
@@ -196,27 +199,10 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class StaleEnvConfig:
-  """`rl.env="stale"`: arithmetic through tools whose docs may name a retired tool (`rl.envs.stale`)."""
-
-  rate: float = 0.3  # per tool: P(the prompt documents its retired name); ~36 % of episodes need one
-  invalid_penalty: float = 0.25  # reward lost per invalid call
-  max_errors: int = 1  # the episode ends at the first invalid call (retries let RL alone find the rule)
-  max_ops: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class CodingEnvConfig:
-  """`rl.env="coding"`: the sandboxed coding environment over the synth stage's tasks."""
-
-  output_chars: int = 2000  # tool output shown to the model, at most
-
-
-@dataclasses.dataclass(frozen=True)
 class RLConfig:
   """The `rl` stage and `rl.loop.fit`: rollouts, objective, targeted text feedback, schedule."""
 
-  env: str = "stale"  # "stale" | "toy" | "coding" (tasks from stage synth under <workdir>/synth_tasks)
+  env: str = "stale"  # "stale" | "toy" | "ledger" | "coding" (tasks from stage synth, <workdir>/synth_tasks)
   # The one-command default: the stale-docs env, RL alone vs RL + feedback on the same seeds in minutes
   # (benchmarks/RESULTS.md, issue 13; at 20 steps seed 7's lead was small). Toy env: problems_per_step=32.
   # eval_every: the fixed problem set, at step 0 and every N steps. Warm-up 3: a fresh optimizer state's
@@ -247,6 +233,9 @@ class RLConfig:
   # weights (= the policy at rollout time: one update per batch; prefix KV reused); "ema": an EMA copy
   teacher_ema_rate: float = 0.01  # "ema": teacher ← (1 − rate)·teacher + rate·params after each step
   dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal leave the policy loss
+  # Arm "penalty": the first flagged turn's sampled tokens get this much extra negative advantage (no text).
+  flag_penalty: float = 0.0
+  policy_gradient: bool = True  # False (arm "distill"): advantages 0, only the feedback term trains
   eval_problems: int = 64  # the fixed problem set's size (schedule.eval_every: how often)
   # optimisation
   lr: float = 3e-4  # Muon: 1e-3 lowered the reward, 3e-4 with 32 x 8 rollouts raised it
@@ -265,6 +254,7 @@ class RLConfig:
   compare_without_feedback: bool = True  # stage rl: then the same run with lambda_feedback 0, same seeds
   stale: StaleEnvConfig = StaleEnvConfig()
   coding: CodingEnvConfig = CodingEnvConfig()
+  ledger: LedgerEnvConfig = LedgerEnvConfig()
 
 
 @dataclasses.dataclass(frozen=True)

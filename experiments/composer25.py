@@ -44,6 +44,8 @@ over, their old outputs moved to <workdir>/stages/previous/.
       --config.rl.lambda_feedback=1.0
   python run.py --config=experiments/composer25.py --config.stages=rl --config.rl.env=coding \\
       --config.rl.schedule.steps=1 --config.rl.problems_per_step=1 --config.rl.group_size=2  # after synth
+  python run.py --config=experiments/composer25.py --config.stages=pretrain,sft,rl --config.rl.env=ledger \\
+      --config.rl.ledger.k=3 --config.rl.max_turns=7 --config.rl.cache_len=624  # ledger-K (issue 32), K = 3
 
 Variants:
   tiny           CPU default (all stages: 6 min 49 s on 2 idle cores). Dense mesh (replica=4,

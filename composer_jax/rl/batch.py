@@ -4,6 +4,7 @@ Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, 
 (hint + turn), N tokens of the flagged turn.
 
   batch = rl_batch(trajs, group_ids, infos, with_feedback=True, rules=rules)   # an RLBatch
+  batch = rl_batch(trajs, group_ids, infos, with_penalty=True, rules=rules)    # + flagged tokens [B, T]
 
 Shapes are bucketed to powers of two (`bucket`), so a run compiles a handful of step programs. A batch
 without flagged turns has `feedback=None`: another tree structure, so the same jitted step compiles a
@@ -51,6 +52,7 @@ class RLBatch:
   group_ids: Any  # int32 [B]
   routed_experts: Any = None  # int16 [B, T, MoE layers, top_k] (routing replay), -1 where unknown
   feedback: FeedbackBatch | None = None  # the teacher's inputs; None: no flagged turn (or λ = 0)
+  flagged: Any = None  # float32 [B, T]: 1 on the first flagged turn's sampled tokens (arm "penalty")
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -127,19 +129,45 @@ def feedback_arrays(
   return FeedbackBatch(**out)
 
 
+def first_flagged(
+  trajs: Sequence[chat.Trajectory],
+  infos: Sequence[dict],
+  rules: feedback.FeedbackRules = _RULES,
+  tok: Tokenizer = chat.BYTE_TOKENIZER,
+) -> list[int | None]:
+  """Each trajectory's first turn the detectors flag (None: none), the turn the teacher would correct."""
+  out = []
+  for traj, info in zip(trajs, infos, strict=True):
+    found = feedback.detect(traj, info, rules, tok) if traj.status != chat.FAILED else []
+    out.append(found[0][0] if found else None)
+  return out
+
+
+def flagged_tokens(trajs: Sequence[chat.Trajectory], turns: Sequence[int | None], pad_to: int) -> np.ndarray:
+  """float32 [B, pad_to]: 1 on the sampled tokens (loss mask 1) of each row's flagged turn, else 0."""
+  out = np.zeros((len(trajs), pad_to), np.float32)
+  for b, (traj, k) in enumerate(zip(trajs, turns, strict=True)):
+    if k is not None:
+      s, e = traj.spans[k]
+      out[b, s:e] = traj.loss_mask[s:e]
+  return out
+
+
 def rl_batch(
   trajs: Sequence[chat.Trajectory],
   group_ids: Sequence[int],
   infos: Sequence[dict] | None = None,
   *,
   with_feedback: bool = False,
+  with_penalty: bool = False,
   rules: feedback.FeedbackRules = _RULES,
   tok: Tokenizer = chat.BYTE_TOKENIZER,
   variant: str = "task",
   rows_cap: int = 0,
   min_len: int = 64,
 ) -> RLBatch:
-  """`chat.to_arrays` (padded to a power of two, at least `min_len`) + group ids (+ `feedback_arrays`).
+  """`chat.to_arrays` (padded to a power of two, at least `min_len`) + group ids (+ `feedback_arrays`,
+  + `flagged_tokens` of the first flagged turns with `with_penalty`).
 
   Trajectories that carry `routed_experts` (collected with routing_replay) add routed_experts
   [B, T, MoE layers, top_k] int16, -1 on padding and wherever unknown (the forward routes those itself).
@@ -158,4 +186,7 @@ def rl_batch(
   if with_feedback:
     fb = feedback_arrays(trajs, infos, pad_to, rules, tok, variant=variant, rows_cap=rows_cap)
     batch = batch.replace(feedback=fb)
+  if with_penalty:
+    turns = first_flagged(trajs, infos, rules, tok)
+    batch = batch.replace(flagged=flagged_tokens(trajs, turns, pad_to))
   return batch

@@ -8,13 +8,14 @@ teacher's input with the hint inserted right before that turn.
 
 Kinds (`KINDS`, first match wins): stale_tool (a tool the environment's shared rule renamed, stated
 in `env_info["renamed"]`), unknown_tool, malformed_call, no_call, repeated_failure, claimed_success,
-edits_tests (a write to a test file), over_long. An environment names the kinds whose hints its SFT
-corpus teaches in `env_info["feedback_kinds"]`; `FeedbackRules.kinds` overrides that.
-Most hints restate what is in context (tool names, the call syntax, "run the tests"); stale_tool
-states a rule shared by every episode, which a model can learn for good ("shared rules can be
-distilled, per-episode private information cannot"). Controls for the gate and the
-null-hint arm: `hint_for(..., variant="null")` is a neutral note, `variant="wrong"` the same hint with
-wrong content. The loss itself is `rl.feedback_loss` (divergence.py).
+edits_tests (a write to a test file), over_long, wrapping_call (a call of a tool that wraps, stated in
+`env_info["wraps"]` as (tool, modulus, safe tool), whose integer arguments sum to ≥ the modulus). An
+environment names the kinds whose hints its SFT corpus teaches in `env_info["feedback_kinds"]`;
+`FeedbackRules.kinds` overrides that. Most hints restate what is in context (tool names, the call
+syntax, "run the tests"); stale_tool and wrapping_call state a rule shared by every episode, which a
+model can learn for good ("shared rules can be distilled, per-episode private information cannot").
+Controls for the gate and the null-hint arm: `hint_for(..., variant="null")` is a neutral note,
+`variant="wrong"` the same hint with wrong content. The loss itself is `rl.feedback_loss` (divergence.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ KINDS = (
   "claimed_success",
   "edits_tests",
   "over_long",
+  "wrapping_call",
 )
 # The kinds acted on when neither the rules nor the environment name any.
 DEFAULT_KINDS = (
@@ -73,6 +75,7 @@ _HINTS = {
   "claimed_success": "Reminder: run the tests with run_tests before saying the task is done.",
   "edits_tests": "Reminder: do not edit the tests; change the code they test.",
   "over_long": "Reminder: keep explanations short and act with a tool call.",
+  "wrapping_call": "{wrap} wraps above {top}; use {safe} when a+b >= {mod}.",
 }
 
 
@@ -102,10 +105,12 @@ def hint_for(
   tools = [decoys.get(t, t) for t in env_info.get("tools", ())]
   old = getattr(call, "name", "")
   new = dict(env_info.get("renamed", ())).get(old, "")
+  wrap, mod, safe = (env_info.get("wraps") or (("", 0, ""),))[0]
   text = dict(rules.hints).get(kind, _HINTS[kind])
   return text.format(
-    tools=", ".join(tools), example=env_info.get("example", "name arg"), old=old, new=decoys.get(new, new)
-  )
+    tools=", ".join(tools), example=env_info.get("example", "name arg"), old=old, new=decoys.get(new, new),
+    wrap=decoys.get(wrap, wrap), safe=decoys.get(safe, safe), mod=mod, top=mod - 1,
+  )  # fmt: skip
 
 
 def hint_at(
@@ -148,6 +153,7 @@ def detect(
   in `KINDS` order. Calls are re-parsed from the tokens, observations read from the following turn."""
   tools = tuple(env_info.get("tools", ()))
   renamed = dict(env_info.get("renamed", ()))
+  wraps = {tool: mod for tool, mod, _ in env_info.get("wraps", ())}
   active = rules.kinds or tuple(env_info.get("feedback_kinds", ())) or DEFAULT_KINDS
   fail_re, ok_re = re.compile(rules.failure_pattern, re.I | re.M), re.compile(rules.success_pattern, re.I)
   failed_calls: set[ToolKey] = set()
@@ -166,6 +172,8 @@ def detect(
         hits.append("stale_tool")
       if tools and call.name not in tools:
         hits.append("unknown_tool")
+      if call.name in wraps and _wraps(call, wraps[call.name]):
+        hits.append("wrapping_call")
       if call.name == rules.write_tool and call.args and re.search(rules.test_path_pattern, call.args[0]):
         hits.append("edits_tests")
       if _key(call) in failed_calls:
@@ -182,6 +190,12 @@ def detect(
     if kinds:
       found.append((k, kinds[0]))
   return found
+
+
+def _wraps(call: chat.ToolCall, modulus: int) -> bool:
+  """Two integer arguments whose sum reaches the modulus (where the tool's result wraps)."""
+  nums = [a for a in call.args if a.lstrip("-").isdigit() and len(a) <= 12]
+  return len(call.args) == 2 and len(nums) == 2 and int(nums[0]) + int(nums[1]) >= modulus
 
 
 def _key(call: chat.ToolCall) -> ToolKey:

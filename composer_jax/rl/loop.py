@@ -23,7 +23,7 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.rl import envs, feedback
 from composer_jax.rl.batch import RLBatch, feedback_rules, rl_batch, without_feedback
 from composer_jax.rl.engine import KVCacheSampler, Rollout
-from composer_jax.rl.rollout import collect, rollout_stats
+from composer_jax.rl.rollout import collect, env_metrics, rollout_stats
 from composer_jax.train import batch as batch_lib
 from composer_jax.train import loop
 from composer_jax.train.state import TrainState
@@ -69,12 +69,12 @@ def hooks(
     key = jax.random.fold_in(jax.random.key(rcfg.seed), s)
     engine.update_weights(state.params)  # the policy after the last update
     trajs = collect(engine, env_list, seeds, key, rcfg, tok)
-    stats = rollout_stats(trajs) | {"rollout_s": time.perf_counter() - t0}
+    stats = rollout_stats(trajs) | env_metrics(env_list) | {"rollout_s": time.perf_counter() - t0}
     infos = [e.info() for e in env_list]
     cap = rcfg.feedback_rows
     batch = rl_batch(
-      trajs, groups, infos, with_feedback=use_fb, rules=rules, variant=rcfg.hint, rows_cap=cap, tok=tok,
-      min_len=rcfg.batch_min_len,
+      trajs, groups, infos, with_feedback=use_fb, with_penalty=rcfg.flag_penalty > 0, rules=rules,
+      variant=rcfg.hint, rows_cap=cap, tok=tok, min_len=rcfg.batch_min_len,
     )  # fmt: skip
     n_fb_rows = int(np.sum(batch.feedback.teacher_lengths > 0)) if use_fb else 0
     stats["feedback_turns_per_rollout"] = n_fb_rows / len(trajs)

@@ -21,6 +21,9 @@ own count" made one flagged token weigh ~312·λ RL tokens and the feedback grad
   Loss form: that divergence; advantage form: λ·clip(sg(log q − log p)) added to those tokens' advantages.
 - A batch with no detected turn contributes exactly 0 through the feedback term (or takes the step
   without the teacher).
+- Arm "penalty" (`flag_penalty` > 0, `batch.flagged`): the same first flagged turn's sampled tokens get
+  −flag_penalty added to their advantage: localisation without text or teacher. Arm "distill"
+  (`policy_gradient` False): the advantages are 0, so only the feedback term trains (rewards unused).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class LossSettings:
   divergence_threshold: float = 1.0
   feedback_clip: float = 2.0
   live_teacher: bool = False  # the teacher is the current weights (reuses the student's prefix KV)
+  flag_penalty: float = 0.0
+  policy_gradient: bool = True
 
   @classmethod
   def of(cls, rcfg: RLConfig) -> LossSettings:
@@ -255,6 +260,8 @@ def rl_loss(
     )
   logp_BT = token_logp(logits_BTV, batch.tokens)
   adv_B = advantages(batch.rewards, batch.group_ids, kind=ls.advantage)
+  if not ls.policy_gradient:
+    adv_B = jnp.zeros_like(adv_B)
   adv, fb_BT = adv_B, jnp.zeros_like(logp_BT)
   keep_B = jnp.ones_like(adv_B, dtype=bool)
   if ls.dynamic_sampling:
@@ -271,6 +278,10 @@ def rl_loss(
       m["feedback_advantage"] = (jnp.sum(fb_adv_BT), m["feedback_kl"][1])
     # A flagged row carries feedback even when its group's rewards are all equal.
     keep_B = keep_B | jnp.zeros_like(keep_B).at[fb.fb_rows].max(fb.teacher_lengths > 0)
+  if batch.flagged is not None and ls.flag_penalty > 0:
+    adv, pen_BT = penalized(adv, batch.flagged, ls.flag_penalty)
+    keep_B = keep_B | jnp.any(batch.flagged > 0, axis=1)
+    m["flag_penalty"] = (jnp.sum(pen_BT), jnp.sum(batch.flagged > 0).astype(jnp.float32))
   mask_BT = batch.loss_mask * keep_B[:, None]
   kw = dict(objective=ls.objective, sampler_logp=batch.sampler_logprobs, tis_cap=ls.tis_cap)
   pl_sum, pl_count = policy_loss(
@@ -285,6 +296,13 @@ def rl_loss(
   m["advantage_abs"] = (jnp.sum(jnp.abs(adv_B)), jnp.asarray(adv_B.shape[0], jnp.float32))
   m["kept_rollouts"] = (jnp.sum(keep_B).astype(jnp.float32), jnp.asarray(adv_B.shape[0], jnp.float32))
   return pl_sum + ls.lambda_feedback * fb_sum, LossAux(jax.lax.stop_gradient(pl_count), m, aux)
+
+
+def penalized(adv: jax.Array, flagged_BT: jax.Array, penalty: float) -> tuple[jax.Array, jax.Array]:
+  """(advantages [B, T] with −penalty on the flagged tokens, the penalty [B, T]); `adv` is [B] or [B, T]."""
+  pen_BT = penalty * flagged_BT.astype(jnp.float32)
+  adv_BT = adv[:, None] if adv.ndim == 1 else adv
+  return adv_BT - pen_BT, pen_BT
 
 
 def _diagnostics(logits_BTV: jax.Array, logp_BT: jax.Array, mask_BT: jax.Array, batch: RLBatch) -> dict:

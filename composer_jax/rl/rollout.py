@@ -6,6 +6,7 @@ Shape suffixes: L MoE layers, K top-k.
   engine.update_weights(params)
   trajs = collect(engine, envs, seeds, key, rcfg, tok)           # lockstep over turns
   stats = rollout_stats(trajs)                                   # reward, pass and invalid-call rates
+  stats |= env_metrics(envs)                                     # the envs' own measures (`metrics()`)
 
 Each turn every live row's context (ending in the <|assistant|> header) goes to the engine, which samples
 the turn until a stop token (`chat.stop_ids()`); `envs.advance` executes the call. A row whose env raises
@@ -100,6 +101,24 @@ def rollout_stats(trajs: Sequence[chat.Trajectory]) -> dict[str, float]:
   }
 
 
+def env_metrics(env_list: Sequence[envs.Env]) -> dict[str, float]:
+  """Each measure of the environments that keep some (`env.metrics()` -> {name: (sum, count)}), summed
+  over the batch and divided once; a measure with count 0 is left out."""
+  total: dict[str, list[float]] = {}
+  for env in env_list:
+    for name, (num, den) in (env.metrics() if hasattr(env, "metrics") else {}).items():
+      acc = total.setdefault(name, [0.0, 0.0])
+      acc[0], acc[1] = acc[0] + num, acc[1] + den
+  return {name: num / den for name, (num, den) in total.items() if den > 0}
+
+
+def sampled_nll(trajs: Sequence[chat.Trajectory]) -> float:
+  """Mean −log π of the sampled tokens under the raw model: at temperature 1 an unbiased estimate of the
+  policy's entropy per sampled token."""
+  lp = [x for t in trajs for x, m in zip(t.logprobs, t.loss_mask, strict=True) if m]
+  return -float(np.mean(lp)) if lp else 0.0
+
+
 def evaluate(
   params: Any,
   cfg: model.ModelConfig,
@@ -112,7 +131,7 @@ def evaluate(
   temperature: float | None = None,
 ) -> dict[str, float]:
   """Rollout statistics of `n` fixed problems of `rcfg.env` (one rollout each; coding: the toy's) at
-  the given temperature."""
+  the given temperature, the environments' own measures (`env_metrics`) and `sampled_nll`."""
   from composer_jax.rl.envs import factories
 
   rc = dataclasses.replace(rcfg, temperature=rcfg.temperature if temperature is None else temperature)
@@ -121,4 +140,5 @@ def evaluate(
   env_list, seeds = factories.fixed_set(rc, n, seed)
   engine = KVCacheSampler(cfg, rc, tok, meshes)
   engine.update_weights(params)
-  return rollout_stats(collect(engine, env_list, seeds, jax.random.key(seed), rc, tok))
+  trajs = collect(engine, env_list, seeds, jax.random.key(seed), rc, tok)
+  return rollout_stats(trajs) | env_metrics(env_list) | {"sampled_nll": sampled_nll(trajs)}

@@ -244,8 +244,21 @@ def _lines(r: dict) -> list[str]:
   return lines
 
 
+def _ledger_problems(r: RLConfig, tok: Any) -> list[str]:
+  """Turns and cache slots for a whole ledger episode: a rollout cut short would score 0 silently."""
+  from composer_jax.rl.envs import ledger
+
+  turns, slots = ledger.budget(r.ledger.k, tok, r.max_turn_tokens)
+  out = []
+  if r.max_turns < turns:
+    out.append(f"rl.max_turns {r.max_turns} < {turns} (ledger K={r.ledger.k}: K entries, done, redos)")
+  if r.cache_len < slots:
+    out.append(f"rl.cache_len {r.cache_len} < {slots} (ledger K={r.ledger.k} at {turns} turns)")
+  return out
+
+
 def _check(config: Config) -> None:
-  from composer_jax.rl import objectives, step
+  from composer_jax.rl import chat, objectives, step
   from composer_jax.rl.envs import factories
 
   sft.check_chat(config)
@@ -261,6 +274,8 @@ def _check(config: Config) -> None:
     step.check_config(r)
   except ValueError as e:
     problems.append(f"rl: {e}")
+  if r.env == "ledger":
+    problems += _ledger_problems(r, chat.tokenizer(config.data.tokenizer))
   replica, fsdp, _ = config.mesh.dense
   rows = r.problems_per_step * r.group_size
   if rows % (replica * fsdp):  # fine for a small run; at scale every device would hold every rollout

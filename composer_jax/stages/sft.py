@@ -23,7 +23,8 @@ from composer_jax.stages import outputs, weights
 from composer_jax.stages.record import Interrupted, Stage
 
 # What the sampled evaluation after SFT depends on, besides the SFT run itself.
-_ROLLOUT_FIELDS = ("env", "stale", "temperature", "top_k", "max_turns", "max_turn_tokens", "cache_len")
+_ROLLOUT_FIELDS = ("env", "stale", "ledger", "temperature", "top_k", "max_turns", "max_turn_tokens")
+_ROLLOUT_FIELDS += ("cache_len",)
 INITS = ("pretrain", "random")
 
 

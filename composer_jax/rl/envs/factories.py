@@ -1,8 +1,8 @@
 """Environment factories: what the RL loop rolls out at step s, as a pure function of (config, s).
 
-  make = factory(rcfg, workdir, episodes_dir)   # by `rcfg.env`: "stale" | "toy" | "coding"
+  make = factory(rcfg, workdir, episodes_dir)   # by `rcfg.env`: "stale" | "toy" | "ledger" | "coding"
   env_list, seeds, group_ids = make(step)        # P problems × G rollouts, one group per problem
-  env_list, seeds = fixed_set(rcfg, n)           # the fixed evaluation problems (arithmetic envs)
+  env_list, seeds = fixed_set(rcfg, n)           # the fixed evaluation problems (seeded envs)
   demos = demonstrations(rcfg, scfg, seed, tok)  # the SFT corpus of the env's family
 
 Adding an environment: write it under `rl/envs/` (the `Env` protocol in `rl/envs/__init__.py`), then a
@@ -44,8 +44,22 @@ def _stale(rcfg: RLConfig) -> Env:
   return stale.StaleEnv(cfg)
 
 
+def _ledger(rcfg: RLConfig) -> Env:
+  from composer_jax.rl.envs import ledger
+
+  c = rcfg.ledger
+  cfg = ledger.LedgerConfig(c.k, c.risky_share, c.redo_cost, rcfg.max_turns, c.rule_in_prompt)
+  return ledger.LedgerEnv(cfg, "informative" if c.informative else "silent")
+
+
 # One fresh environment of a seeded-problem family (the fixed evaluation set and the gate use these).
-MAKE_ONE: dict[str, Callable[[RLConfig], Env]] = {"toy": _toy, "stale": _stale}
+MAKE_ONE: dict[str, Callable[[RLConfig], Env]] = {"toy": _toy, "stale": _stale, "ledger": _ledger}
+
+
+def evaluation_config(rcfg: RLConfig) -> RLConfig:
+  """The fixed set is scored in the environment every arm shares: the ledger's silent one (an arm that
+  trains with informative errors is measured where they are gone)."""
+  return dataclasses.replace(rcfg, ledger=dataclasses.replace(rcfg.ledger, informative=False))
 
 
 def seeded_envs(rcfg: RLConfig, workdir: str | None = None, episodes: pathlib.Path | None = None) -> Make:
@@ -74,15 +88,18 @@ def fixed_set(rcfg: RLConfig, n: int, seed: int = 12345) -> tuple[list[Env], lis
   """`n` problems of `rcfg.env`'s family, the same for every run with this `seed` (one rollout each)."""
   if rcfg.env not in MAKE_ONE:
     raise ValueError(f"no fixed problem set for rl.env={rcfg.env!r}; have {', '.join(MAKE_ONE)}")
+  rcfg = evaluation_config(rcfg)
   seeds = np.random.default_rng([seed]).integers(0, 1 << 30, size=n).tolist()
   return [MAKE_ONE[rcfg.env](rcfg) for _ in seeds], seeds
 
 
 def demonstrations(rcfg: RLConfig, scfg: SFTConfig, seed: int, tok: Tokenizer) -> list:
-  """The SFT corpus in `tok`'s ids: the stale-docs demonstrations for `stale`, the toy's otherwise (coding
-  has none: the model learns the turn format on the toy)."""
-  from composer_jax.rl.envs import stale, toy
+  """The SFT corpus in `tok`'s ids: the stale-docs or ledger demonstrations for those envs, the toy's
+  otherwise (coding has none: the model learns the turn format on the toy)."""
+  from composer_jax.rl.envs import ledger, stale, toy
 
+  if rcfg.env == "ledger":
+    return ledger.demonstrations(scfg.demos, seed, rcfg.ledger.demo_max_k, rcfg.ledger.risky_share, tok=tok)
   if rcfg.env == "stale":
     cfg = stale.StaleConfig(max_ops=rcfg.stale.max_ops, max_turns=rcfg.max_turns)
     return stale.demonstrations(scfg.demos, seed=seed, cfg=cfg, tok=tok)
@@ -117,7 +134,12 @@ def coding_envs(rcfg: RLConfig, workdir: str, root: pathlib.Path) -> Make:
   return make
 
 
-FACTORIES: dict[str, Callable[..., Make]] = {"toy": seeded_envs, "stale": seeded_envs, "coding": coding_envs}
+FACTORIES: dict[str, Callable[..., Make]] = {
+  "toy": seeded_envs,
+  "stale": seeded_envs,
+  "ledger": seeded_envs,
+  "coding": coding_envs,
+}
 
 
 def factory(rcfg: RLConfig, workdir: str, episodes: pathlib.Path) -> Make:
