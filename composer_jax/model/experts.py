@@ -11,7 +11,7 @@ R rows of the padded block layout.
   XLA:GPU (a zero-padded dense expansion: E_local× the FLOPs, out of memory at 48 local experts).
   XLA:TPU emits its own Mosaic grouped-matmul kernels for the forward and the input gradient, but
   the weight gradient becomes a convolution over all local groups that XLA counts at E_local× the
-  grouped FLOPs (compiled: benchmarks/RESULTS.md, issue 16, expert kernels).
+  grouped FLOPs.
 - "tokamax": the same sort, with tokamax's grouped-matmul kernels (`tokamax.ragged_dot`: Pallas Mosaic
   on TPU, Triton on GPU; megablocks-style tiles over the sorted rows, grouped kernels for both
   gradients too). Needs tokamax (extra `kernels`) and `shard_map` around it (Mosaic kernels are not
