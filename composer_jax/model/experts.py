@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from composer_jax.model import tokamax_private
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import project
 
@@ -122,8 +123,8 @@ def tokamax_ragged_dot(platform: str, interpret: bool = False):
 def _mosaic_tpu_ragged_dot(interpret: bool):
   """tokamax's Pallas Mosaic TPU grouped matmul (forward, and the same kernel for both backward
   products), without its check of the host's default device."""
-  mosaic = importlib.import_module("tokamax._src.ops.ragged_dot.pallas_mosaic_tpu")
-  base = importlib.import_module("tokamax._src.ops.ragged_dot.base")
+  mosaic = tokamax_private.module("ragged_dot_mosaic_tpu")  # the public op would ask the host's device
+  base = tokamax_private.module("ragged_dot_base")
 
   class ForTpu(mosaic.PallasMosaicTpuRaggedDot):
     __slots__ = ()
