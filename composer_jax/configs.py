@@ -176,8 +176,8 @@ class SynthConfig:
 class SFTConfig:
   """The `sft` stage: the pretrained model warmed up on tool-use demonstrations of `rl.env` (`rl.sft`).
 
-  300 packed steps: the fewest after which the hinted teacher makes nearly every flagged turn valid
-  (what the gate asks) and most unflagged rollouts pass; far fewer leave the turn format unlearnt.
+  300 packed steps: enough for the hinted teacher to make nearly every flagged turn valid (what the gate
+  asks) and for most unflagged rollouts to pass; far fewer leave the turn format half learnt.
   """
 
   init: str = "pretrain"  # the newest pretrain checkpoint (else init_from's weights) | "random": a fresh init

@@ -36,7 +36,7 @@ def libtpu():
     pytest.fail(
       f"libtpu is missing from the venv .ci/setup made with the tpu extra ({sys.prefix}): rerun .ci/setup"
     )
-  pytest.skip("XLA:TPU (libtpu) is not installed here: pip install -e '.[tpu]' (.ci/setup does)")
+  pytest.skip("XLA:TPU (libtpu) is not installed here: pip install -e '.[tpu,kernels]' (.ci/setup does)")
 
 
 needs_libtpu = pytest.mark.usefixtures("libtpu")
@@ -206,7 +206,7 @@ def test_without_libtpu_the_stage_says_how_to_get_it(monkeypatch, tmp_path):
   monkeypatch.setattr(
     importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
   )
-  with pytest.raises(RuntimeError, match=r"pip install -e '\.\[tpu\]'"):
+  with pytest.raises(RuntimeError, match=r"pip install -e '\.\[tpu,kernels\]'"):
     compile_stage.run(_tiny("v5p:2x2x1"), str(tmp_path))
 
 

@@ -4,11 +4,12 @@ by the compiler itself (MaxText's `train_compile` is the model).
   python run.py --config=experiments/composer25.py:moonlight_16b --config.stages=compile \
       --config.compile.topology=v5p:4x4x4
 
-XLA:TPU ships in libtpu (`pip install -e .[tpu]`) and runs on a CPU host: `jax.experimental.topologies`
-describes a pod's chips without any being present, `sharding.build_meshes` lays both meshes over them,
-and `jit(step).lower(abstract state, abstract batch).compile()` returns the compiler's buffer
-assignment (`memory_analysis()`), FLOPs (`cost_analysis()`) and the optimized HLO of the sharded
-program. Nothing is allocated: the state is `ShapeDtypeStruct`s with the shardings `create_state` gives.
+XLA:TPU ships in libtpu (`pip install -e '.[tpu,kernels]'`) and runs on a CPU host:
+`jax.experimental.topologies` describes a pod's chips without any being present, `sharding.build_meshes`
+lays both meshes over them, and `jit(step).lower(abstract state, abstract batch).compile()` returns the
+compiler's buffer assignment (`memory_analysis()`), FLOPs (`cost_analysis()`) and the optimized HLO of
+the sharded program. Nothing is allocated: the state is `ShapeDtypeStruct`s with the shardings
+`create_state` gives.
 
 `<workdir>/compile.json` holds the topology, devices, compile time, XLA's per-device memory (argument,
 output, alias, temp and peak = argument + temp + output − alias), the planner's prediction of the same
@@ -45,8 +46,8 @@ from composer_jax.train import step as step_lib
 from composer_jax.train.batch import TokenBatch
 
 LIBTPU_HINT = (
-  "the compile stage needs XLA:TPU from libtpu: `pip install -e '.[tpu]'` (jax[tpu] at the project's jax "
-  "version; it runs on a CPU host, no TPU needed)"
+  "the compile stage needs XLA:TPU from libtpu: `pip install -e '.[tpu,kernels]'` (jax[tpu] at the project's "
+  "jax version, and the kernels the step runs on TPU; it runs on a CPU host, no TPU needed)"
 )
 # HBM per chip by `device_kind` (Google Cloud TPU system architecture pages).
 HBM_BYTES = {
