@@ -19,8 +19,10 @@ operands under 128 rows or columns to XLA's ragged_dot (`experts.tokamax_ragged_
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -69,6 +71,29 @@ def expert_impl(requested: str, meshes: Any = None) -> str:
   if where == "cpu":
     return "blocked"
   return "tokamax" if has_tokamax() else "ragged"
+
+
+_RECORDING: list[dict[str, set[str]]] = []  # the open `record_kernels` blocks
+
+
+@contextlib.contextmanager
+def record_kernels() -> Iterator[dict[str, set[str]]]:
+  """{"attention_impl": {...}, "expert_impl": {...}}: the kernels the model picks while it is traced inside
+  the block. What a compiled step runs depends on more than "auto" (shapes, the KV cache, the
+  expert-parallel path), so the compile stage records what tracing chose rather than re-deriving it."""
+  seen: dict[str, set[str]] = {"attention_impl": set(), "expert_impl": set()}
+  _RECORDING.append(seen)
+  try:
+    yield seen
+  finally:
+    _RECORDING.remove(seen)
+
+
+def chosen(kind: str, impl: str) -> str:
+  """`impl`, noted as the `kind` kernel ("attention_impl" or "expert_impl") in every open `record_kernels`."""
+  for seen in _RECORDING:
+    seen[kind].add(impl)
+  return impl
 
 
 def set_overlap_flags(environ: Any = os.environ) -> None:

@@ -36,7 +36,7 @@ def libtpu():
     pytest.fail(
       f"libtpu is missing from the venv .ci/setup made with the tpu extra ({sys.prefix}): rerun .ci/setup"
     )
-  pytest.skip("XLA:TPU (libtpu) is not installed here: pip install -e '.[tpu]' (.ci/setup does)")
+  pytest.skip("XLA:TPU (libtpu) is not installed here: pip install -e '.[tpu,kernels]' (.ci/setup does)")
 
 
 needs_libtpu = pytest.mark.usefixtures("libtpu")
@@ -108,6 +108,27 @@ def test_compile_stage_json_and_memory_against_the_plan(tiny_tpu):
   assert 0 < est["muon_seconds"] < est["step_seconds"] and 0 < est["mfu"] < 1, est
   assert est["seconds_source"] in ("xla_optimal_seconds", "roofline")
   assert est["model_flops_per_device"] > 0 and "estimate (XLA cost model" in out["report"]
+  # tiny names its expert kernel; its "auto" attention on 2 context shards of 128 tokens is no splash shape
+  assert out["backend"] == {"attention_impl": ["xla"], "expert_impl": ["blocked"]}, out["backend"]
+  assert "kernels: attention xla, experts blocked" in out["report"]
+
+
+@needs_libtpu
+def test_compile_json_records_the_kernels_auto_resolves_to_on_tpu(monkeypatch, tmp_path):
+  """With "auto" kernels on a TPU topology, compile.json names what the traced step runs: splash
+  attention and tokamax's grouped matmul when tokamax is installed (XLA's attention and ragged_dot
+  without it). Lowering decides the kernels, so XLA's compile is skipped here (the refusal path)."""
+  monkeypatch.setattr(compile_stage, "_compile", lambda lowered: (None, {"error": "skipped", "temp": None}))
+  config = _tiny("v5p:2x2x1", dense=(4, 1, 1), expert=(4, 1))
+  auto = dataclasses.replace(config.model, attention_impl="auto", expert_impl="auto")
+  config = dataclasses.replace(config, model=auto, train=dataclasses.replace(config.train, seq_len=256))
+  out = compile_stage.compile_config(config, compile_stage.topology_devices("v5p:2x2x1"))
+  tokamax = importlib.util.find_spec("tokamax") is not None
+  want = {
+    "attention_impl": ["splash" if tokamax else "xla"],
+    "expert_impl": ["tokamax" if tokamax else "ragged"],
+  }
+  assert out["backend"] == want, out["backend"]
 
 
 def _fsdp_groups_are_rings(grid) -> bool:
@@ -185,7 +206,7 @@ def test_without_libtpu_the_stage_says_how_to_get_it(monkeypatch, tmp_path):
   monkeypatch.setattr(
     importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
   )
-  with pytest.raises(RuntimeError, match=r"pip install -e '\.\[tpu\]'"):
+  with pytest.raises(RuntimeError, match=r"pip install -e '\.\[tpu,kernels\]'"):
     compile_stage.run(_tiny("v5p:2x2x1"), str(tmp_path))
 
 
@@ -292,6 +313,7 @@ def test_one_decode_step_compiles_with_its_cache_split_and_updated_in_place(tmp_
   cache_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
   mem = out["memory"]
   assert out["step"] == "decode" and out["estimate"]["tokens_per_second"] > 0
+  assert out["backend"]["attention_impl"] == ["absorbed"], out["backend"]  # MLA over the latent cache
   assert mem["alias"] >= cache_bytes / 4 and mem["output"] - mem["alias"] < mem["alias"] / 8, (
     mem,
     cache_bytes,

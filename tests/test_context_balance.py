@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +20,10 @@ import pytest
 from tiny import TINY
 
 from composer_jax import configs, context_balance, model
-from composer_jax.model import attention_kernels
+from composer_jax.model import attention_kernels, tokamax_private
 from composer_jax.stages import pretrain as pretrain_stage
 from composer_jax.train import step as step_lib
 from composer_jax.train.batch import TokenBatch, place
-
-_SPLASH = "tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_"
-
 
 # --- the reorder ---------------------------------------------------------------------------------
 
@@ -140,7 +136,7 @@ def _reference_blocks(rows: np.ndarray, T: int, bq: int, bk: int) -> int:
 
 def _splash_blocks(T: int, shards: int, balanced: bool, bq: int, bk: int) -> np.ndarray:
   """Active blocks per query shard in splash's block-sparsity info for the mask the kernel is built with."""
-  masks, info = (importlib.import_module(_SPLASH + m) for m in ("mask", "mask_info"))
+  masks, info = (tokamax_private.module(m) for m in ("splash_mask", "splash_mask_info"))
   mask = attention_kernels._causal_mask(masks, T, T, shards, balanced)
   return np.asarray(info.process_mask(mask, (bq, bk), q_seq_shards=shards)[0].num_active_blocks)
 

@@ -9,6 +9,7 @@ import threading
 import time
 import traceback
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -39,9 +40,7 @@ def _take(it, n):
 
 
 def _equal(a, b):
-  for x, y in zip(a, b, strict=True):
-    for k in KEYS:
-      np.testing.assert_array_equal(x[k], y[k])
+  chex.assert_trees_all_equal(a, b)
 
 
 def test_each_row_is_the_stream_of_documents_r_r_plus_b_and_so_on(source):

@@ -6,6 +6,7 @@ the null-hint arm's teacher input."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,8 +129,7 @@ def test_frozen_teacher_stays_and_starts_equal_to_the_live_one():
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(start), strict=True)
   ]
   assert max(moved) > 0
-  for t, s in zip(jax.tree.leaves(state.opt_state.teacher), jax.tree.leaves(start), strict=True):
-    np.testing.assert_array_equal(np.asarray(t), s)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, state.opt_state.teacher), start)
 
 
 def test_null_hint_arm_inserts_the_neutral_note():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,8 +100,7 @@ def test_replaying_the_own_choice_changes_nothing(params, tokens_BT):
   np.testing.assert_array_equal(ids, own_LBTK)
   np.testing.assert_array_equal(ids_r, own_LBTK)
   np.testing.assert_array_equal(logits_r, logits)
-  for g, g_r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_r), strict=True):
-    np.testing.assert_array_equal(g_r, g)
+  chex.assert_trees_all_equal(grads_r, grads)
   # With a KV cache (the trainer's student forward when a teacher reuses the prefix).
   cached = jax.jit(
     lambda p, t, r: model.apply(p, CFG, t, cache=model.init_cache(CFG, B, T + 4), routed_experts=r)

@@ -287,7 +287,7 @@ def test_bad_workdir_and_config_conflicts_are_one_line(corpus_dir, tmp_path):
 
 
 def test_one_device(corpus_dir, tmp_path):
-  """The README's single-device flags: both meshes of size 1 (run.py then makes one CPU device)."""
+  """docs/pretraining.md's single-device flags: both meshes of size 1 (run.py then makes one CPU device)."""
   one = ["--config.mesh.dense=(1,1,1)", "--config.mesh.expert=(1,1)", "--config.train.schedule.steps=2"]
   p = _run(tmp_path, corpus_dir, *one)
   assert p.returncode == 0, p.stderr[-3000:]

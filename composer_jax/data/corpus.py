@@ -14,9 +14,7 @@ split does not depend on the file listing order or count.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import os
 import time
 from collections.abc import Sequence
@@ -28,7 +26,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 from jax.experimental import multihost_utils
 
-from composer_jax.data import packing
+from composer_jax.data import builders, packing
 from composer_jax.data.prefetch import Prefetch
 from composer_jax.data.tokenizer import Tokenizer
 
@@ -150,23 +148,21 @@ def build_corpus(
   if multi and jax.process_index() != 0:
     multihost_utils.sync_global_devices("build_corpus")  # process 0 has built it (or found it)
     builder = StdlibCode(**kwargs)
-    if not builder.is_prepared():
+    if not builders.prepared(builder):
       raise RuntimeError(
         f"Process {jax.process_index()} does not see the corpus process 0 built under {data_dir}: "
         "in a multi-process run the workdir must be on storage every process sees."
       )
     return {split: ds for split, ds in builder.as_data_source().items()}
   builder = StdlibCode(**kwargs)
-  if builder.is_prepared():
+  if builders.prepared(builder):
     if verbose:
       logging.info("[corpus] stdlib_code: reusing %s", builder.data_dir)
   else:
     if verbose:
       logging.info("[corpus] stdlib_code: building from %s into %s ...", builder._src_dir, builder.data_dir)
     t0 = time.perf_counter()
-    tfds.disable_progress_bar()  # a few seconds of build: our own lines say what happens
-    with contextlib.redirect_stdout(io.StringIO()):  # tfds prints "Downloading and preparing..." itself
-      builder.download_and_prepare()
+    builders.prepare(builder)  # a few seconds of build: our own lines say what happens
     if verbose:
       splits = builder.info.splits
       sizes = ", ".join(f"{s} {splits[s].num_examples} files" for s in SPLITS)

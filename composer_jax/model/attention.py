@@ -132,6 +132,7 @@ class MLA(nnx.Module):
     T = q_BTHK.shape[1]
     if impl == "splash" and cfg.attention_impl == "auto" and not attention_kernels.splash_fits(T, T, layout):
       impl = "xla"  # "auto" picks the fused kernel only for shapes it takes
+    backend.chosen("attention_impl", impl if cache is None else "absorbed")
     if cache is None and impl != "absorbed":
       out_BTHV, max_logit_H = self._expanded(
         q_BTHK, latent_BTC, k_rope_BTR, q_pos_BT, q_seg_BT, impl, meshes, balanced

@@ -21,13 +21,13 @@ context load balancing (`layout.balanced`) splash's causal mask reads each query
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from composer_jax import context_balance
+from composer_jax.model import tokamax_private
 
 _MASKED = -1e30  # finite, so a query with no visible key (padding) gives zeros, not NaN
 _MAX_LOGIT_CHUNK = 512  # query rows per step of `chunked_max_logits`
@@ -95,10 +95,8 @@ def _splash_kernel(t: int, s: int, q_shards: int, interpret: bool, balanced: boo
   """tokamax's splash MHA for a causal [T, S] mask (one mask for every head), its queries split in
   `q_shards` (context parallelism); built once per shape, the mask being static. `balanced`: the queries
   in the load-balanced order (`_causal_mask`)."""
-  kernel = importlib.import_module(
-    "tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_kernel"
-  )
-  masks = importlib.import_module("tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_mask")
+  kernel = tokamax_private.module("splash_kernel")  # not in tokamax's public API: see tokamax_private
+  masks = tokamax_private.module("splash_mask")
   b = SPLASH_BLOCK
   config = kernel.SplashConfig(
     block_q=b,

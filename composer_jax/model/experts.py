@@ -11,7 +11,7 @@ R rows of the padded block layout.
   XLA:GPU (a zero-padded dense expansion: E_local× the FLOPs, out of memory at 48 local experts).
   XLA:TPU emits its own Mosaic grouped-matmul kernels for the forward and the input gradient, but
   the weight gradient becomes a convolution over all local groups that XLA counts at E_local× the
-  grouped FLOPs (compiled: benchmarks/RESULTS.md, issue 16, expert kernels).
+  grouped FLOPs.
 - "tokamax": the same sort, with tokamax's grouped-matmul kernels (`tokamax.ragged_dot`: Pallas Mosaic
   on TPU, Triton on GPU; megablocks-style tiles over the sorted rows, grouped kernels for both
   gradients too). Needs tokamax (extra `kernels`) and `shard_map` around it (Mosaic kernels are not
@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from composer_jax.model import tokamax_private
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import project
 
@@ -122,8 +123,8 @@ def tokamax_ragged_dot(platform: str, interpret: bool = False):
 def _mosaic_tpu_ragged_dot(interpret: bool):
   """tokamax's Pallas Mosaic TPU grouped matmul (forward, and the same kernel for both backward
   products), without its check of the host's default device."""
-  mosaic = importlib.import_module("tokamax._src.ops.ragged_dot.pallas_mosaic_tpu")
-  base = importlib.import_module("tokamax._src.ops.ragged_dot.base")
+  mosaic = tokamax_private.module("ragged_dot_mosaic_tpu")  # the public op would ask the host's device
+  base = tokamax_private.module("ragged_dot_base")
 
   class ForTpu(mosaic.PallasMosaicTpuRaggedDot):
     __slots__ = ()

@@ -133,6 +133,7 @@ def resolve(cfg: ModelConfig, meshes, expert_parallel_path: bool) -> ModelConfig
   impl = backend.expert_impl(cfg.expert_impl, meshes)
   if impl == "tokamax" and meshes is not None and not expert_parallel_path:
     impl = "ragged"
+  backend.chosen("expert_impl", impl)
   return cfg if impl == cfg.expert_impl else dataclasses.replace(cfg, expert_impl=impl)
 
 

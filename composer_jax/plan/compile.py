@@ -4,20 +4,23 @@ by the compiler itself (MaxText's `train_compile` is the model).
   python run.py --config=experiments/composer25.py:moonlight_16b --config.stages=compile \
       --config.compile.topology=v5p:4x4x4
 
-XLA:TPU ships in libtpu (`pip install -e .[tpu]`) and runs on a CPU host: `jax.experimental.topologies`
-describes a pod's chips without any being present, `sharding.build_meshes` lays both meshes over them,
-and `jit(step).lower(abstract state, abstract batch).compile()` returns the compiler's buffer
-assignment (`memory_analysis()`), FLOPs (`cost_analysis()`) and the optimized HLO of the sharded
-program. Nothing is allocated: the state is `ShapeDtypeStruct`s with the shardings `create_state` gives.
+XLA:TPU ships in libtpu (`pip install -e '.[tpu,kernels]'`) and runs on a CPU host:
+`jax.experimental.topologies` describes a pod's chips without any being present, `sharding.build_meshes`
+lays both meshes over them, and `jit(step).lower(abstract state, abstract batch).compile()` returns the
+compiler's buffer assignment (`memory_analysis()`), FLOPs (`cost_analysis()`) and the optimized HLO of
+the sharded program. Nothing is allocated: the state is `ShapeDtypeStruct`s with the shardings
+`create_state` gives.
 
-`<workdir>/compile.json` holds the topology, devices, compile time, XLA's per-device memory
-(argument, output, alias, temp and peak = argument + temp + output − alias), the planner's prediction
-of the same fields (`Plan.xla`), the chip's HBM, whether it fits, FLOPs per device and the HLO's
-collective ops by name, and under "estimate" the step time by XLA's cost model with every `while` body
-weighted by its trip count (`plan.estimate`: the scanned layers would otherwise count once): corrected
-FLOPs and bytes per device, step seconds, MFU against the model's FLOPs (6 · active params · tokens +
-causal attention), collective bytes by kind and the Muon update's own seconds (ops in its named scopes).
-`flops_per_device` is the corrected figure; XLA's raw one is `estimate.xla_raw.flops`.
+`<workdir>/compile.json` holds the topology, devices, compile time, XLA's per-device memory (argument,
+output, alias, temp and peak = argument + temp + output − alias), the planner's prediction of the same
+fields (`Plan.xla`), the chip's HBM, whether it fits, FLOPs per device and the HLO's collective ops by
+name, the attention and expert kernels the step runs ("backend": `attention_impl`, `expert_impl`, as
+tracing chose them for these meshes and shapes), and under "estimate" the step time by XLA's cost model
+with every `while` body weighted by its trip count (`plan.estimate`: the scanned layers would otherwise
+count once): corrected FLOPs and bytes per device, step seconds, MFU against the model's FLOPs (6 ·
+active params · tokens + causal attention), collective bytes by kind and the Muon update's own seconds
+(ops in its named scopes). `flops_per_device` is the corrected figure; XLA's raw one is
+`estimate.xla_raw.flops`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from composer_jax import configs, model, optim, sharding
+from composer_jax import backend, configs, model, optim, sharding
 from composer_jax.plan import core, estimate, report, rollout
 from composer_jax.train import pretrain
 from composer_jax.train import state as train_state
@@ -43,8 +46,8 @@ from composer_jax.train import step as step_lib
 from composer_jax.train.batch import TokenBatch
 
 LIBTPU_HINT = (
-  "the compile stage needs XLA:TPU from libtpu: `pip install -e '.[tpu]'` (jax[tpu] at the project's jax "
-  "version; it runs on a CPU host, no TPU needed)"
+  "the compile stage needs XLA:TPU from libtpu: `pip install -e '.[tpu,kernels]'` (jax[tpu] at the project's "
+  "jax version, and the kernels the step runs on TPU; it runs on a CPU host, no TPU needed)"
 )
 # HBM per chip by `device_kind` (Google Cloud TPU system architecture pages).
 HBM_BYTES = {
@@ -238,7 +241,9 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
   meshes = sharding.build_meshes(config.mesh.dense, config.mesh.expert, devices)
   lower = STEPS[config.compile.step]
   t0, cpu0 = time.perf_counter(), time.process_time()
-  compiled, failure = _compile(lower(config, meshes))
+  with backend.record_kernels() as kernels:
+    lowered = lower(config, meshes)
+  compiled, failure = _compile(lowered)
   seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
   tpu = devices[0].platform == "tpu"
   plan = core.make_plan(config, tpu=tpu)
@@ -249,6 +254,7 @@ def compile_config(config: configs.Config, devices: list[jax.Device]) -> dict[st
     "step": config.compile.step,
     "devices": len(devices),
     "device_kind": kind,
+    "backend": {k: sorted(v) for k, v in kernels.items()},  # the kernels the traced step runs
   }
   # wall time, and CPU time of all this process's threads (a loaded host stretches the wall time)
   result |= {"compile_seconds": seconds, "compile_cpu_seconds": cpu_seconds}

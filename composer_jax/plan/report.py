@@ -122,6 +122,9 @@ def format_compile(result: dict[str, Any]) -> str:
   if est := result.get("estimate"):
     lines.append("  " + format_estimate(est))
   lines.append("  collectives: " + ", ".join(f"{k} {v}" for k, v in sorted(result["collectives"].items())))
+  if kernels := result.get("backend"):
+    attention, experts = ("+".join(kernels[k]) for k in ("attention_impl", "expert_impl"))
+    lines.append(f"  kernels: attention {attention}, experts {experts}")
   return "\n".join(lines)
 
 

@@ -4,8 +4,8 @@ Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, 
 (hint + turn), N tokens of the flagged turn, V vocab.
 
 loss = (RL sum + λ · feedback sum) / RL count: both sums reduced the policy objective's way
-(`objectives.on_objective_scale`), so λ is an exchange rate (the earlier "each term over its
-own count" made one flagged token weigh ~312·λ RL tokens and the feedback gradient 23-460x the RL one).
+(`objectives.on_objective_scale`), so λ is an exchange rate. Each term over its own count would make
+one flagged token weigh as much as hundreds of RL tokens and let feedback swamp the policy gradient.
 - RL: `policy_loss(logp, sg(logp), adv, mask, objective, sampler_logp)` — one update per batch, so π_old
   is the trainer's own recompute (ratio 1, clip fraction 0) and the sampler/trainer mismatch is corrected
   by truncated IS against the sampler's logprobs (the raw T=1 model logprobs the sampler recorded).

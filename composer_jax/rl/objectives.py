@@ -241,7 +241,7 @@ def on_objective_scale(
   the same count for the same mask: adding the sums and dividing once by that count puts an extra
   per-token term (the feedback divergence) on the policy objective's own scale, so its weight λ is an
   exchange rate (one nat of divergence on a token ≈ one unit of advantage on it), not a ratio of
-  two differently normalised means (benchmarks/RESULTS.md, issue 13)."""
+  two differently normalised means."""
   o, _, _ = _objective(objective, None, None)
   chex.assert_equal_shape([values_BT, mask_BT])
   m_BT = mask_BT > 0

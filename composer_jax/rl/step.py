@@ -8,9 +8,8 @@ The step is the one every stage uses; a batch without teacher inputs (λ = 0, or
 flagged) is another tree structure, so the same function compiles a program without the teacher for it.
 `teacher="frozen"` keeps the weights RL started from (the SFT checkpoint) next to the
 optimizer state (`TeacherState`), `teacher="ema"` an exponential moving average of the weights, so
-checkpoints carry either. A frozen teacher anchors the target: with the live student as teacher, more
-mistakes meant more flagged turns and more push in whatever direction the drifting teacher pointed
-(benchmarks/RESULTS.md, issue 13).
+checkpoints carry either. A frozen teacher anchors the target: a live teacher drifts with the student,
+so more mistakes give more flagged turns pushing in whatever direction the drifted teacher points.
 """
 
 from __future__ import annotations

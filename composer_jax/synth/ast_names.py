@@ -8,7 +8,7 @@ interpreter does, so a homoglyph identifier (fullwidth `ｅｘｅｃ`) *is* `exe
 used as names (getattr's) are normalised the same way. What cannot be resolved statically (a computed
 attribute name of a sensitive module, `__import__` of a computed name) is itself a finding (dynamic_code).
 
-By resolution, not by name (issue 30): a dotted name that starts at a standard-library module is followed
+By resolution, not by name: a dotted name that starts at a standard-library module is followed
 through the real module objects (each step looked up in the module's `__dict__`, nothing else run), so
 `pathlib.os._exit`, `logging.sys._getframe` or `from tempfile import _os` resolve to the sensitive module
 they reach (`os._exit`, `sys._getframe`, `os`); a computed attribute name on any module that reaches a

@@ -31,7 +31,7 @@ _ETC_PATHS = (
   "/etc/ssl",
   "/etc/ca-certificates",
 )
-# Host-wide kernel state /proc shows whatever the namespaces (issue 30): counters another sandbox can move
+# Host-wide kernel state /proc shows whatever the namespaces: counters another sandbox can move
 # (open files, memory, load, CPU times, locks, interrupts) are a covert channel between runs, so they are
 # masked: directories by an empty read-only tmpfs, files by an empty file. Per-process entries stay.
 _PROC_DIRS = (

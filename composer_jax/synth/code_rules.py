@@ -90,7 +90,7 @@ ORDER = (
 )
 ATTRS = {
   "frame_inspection": {"f_back", "f_locals", "f_globals", "f_builtins", "tb_frame", "gi_frame", "cr_frame"},
-  # Another object's way into a module or the interpreter (issue 30): a function's globals, the builtins,
+  # Another object's way into a module or the interpreter: a function's globals, the builtins,
   # every subclass of a type, a module held under another module's attribute (`mathx._os`, `helpers.sys`).
   "module_reach": {"__globals__", "__builtins__", "__subclasses__", "os", "_os", "sys", "_sys", "builtins"},
   "plugin_injection": {"pytest_plugins"},

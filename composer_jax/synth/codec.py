@@ -20,10 +20,10 @@ object with a permissive `__eq__` can never encode as the value it claims to equ
   a container or object seen before    ["alias", k]: the k-th container or object opened, in the order
                                        of the encoding (shared and cyclic structure, e.g. a linked list)
 
-Why the wider set (issue 30): held-out calls exist only where a recorded call's arguments and the
-original's result encode; methods of dict subclasses with locks and linked lists (boltons' LRI),
+Why the wider set: held-out calls exist only where a recorded call's arguments and the original's
+result encode; without it, methods of dict subclasses with locks and linked lists (boltons' LRI),
 properties of caches whose state is slotted links (cachetools) and functions returning paths (humanize)
-had none.
+would have none.
 """
 
 import collections

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from composer_jax.data import builders
+
 DATASET_VERSION = "1.0.0"  # bump when the schema or encoding changes
 SPLIT = "train"
 _STR = ("instance_id", "mode", "patch", "gold_patch", "statement", "created_at", "repo_dir", "venv")
@@ -81,11 +83,13 @@ def fingerprint(records: Sequence[dict]) -> str:
 
 
 @functools.cache
-def _builder_class(name: str) -> type:
-  """A GeneratorBasedBuilder named `name` (tfds takes the dataset name from the class)."""
+def _builder_class(name: str, config: str) -> type:
+  """A GeneratorBasedBuilder named `name` (tfds takes the dataset name from the class) whose one declared
+  config is `config`: a config the class declares is not a "custom data configuration" tfds warns about."""
 
   class _Tasks(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     VERSION = tfds.core.Version(DATASET_VERSION)
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=config, version=DATASET_VERSION)]
 
     def __init__(self, *, records: Sequence[dict] = (), **kwargs):
       self._records = list(records)
@@ -113,10 +117,10 @@ def _builder_class(name: str) -> type:
 
 
 def _builder(data_dir: str, name: str, config: str, records: Sequence[dict] = ()):
-  cls = _builder_class(name)
+  cls = _builder_class(name, config)
   return cls(
     records=records,
-    config=tfds.core.BuilderConfig(name=config, version=DATASET_VERSION),
+    config=config,
     data_dir=data_dir,
     file_format="array_record",
   )
@@ -136,8 +140,8 @@ def write_tasks(records: Sequence[dict], data_dir: str | os.PathLike, *, name: s
   data_dir = os.fspath(data_dir)
   config = f"fp_{fingerprint(records)[:16]}"
   builder = _builder(data_dir, name, config, records)
-  if not builder.is_prepared():
-    builder.download_and_prepare()
+  if not builders.prepared(builder):
+    builders.prepare(builder)
   _write_latest(os.path.join(data_dir, name), config)
   return os.fspath(builder.data_dir)
 
@@ -176,7 +180,7 @@ def read_tasks(data_dir: str | os.PathLike, *, name: str = "synth_tasks") -> lis
   except FileNotFoundError:
     raise FileNotFoundError(f"no {name!r} tasks under {data_dir} (write_tasks not run?)") from None
   builder = _builder(data_dir, name, config)
-  if not builder.is_prepared():
+  if not builders.prepared(builder):
     raise FileNotFoundError(f"{latest} names {config!r}, which is not prepared under {data_dir}")
   source = builder.as_data_source(split=SPLIT)
   return [_decode(source[i]) for i in range(len(source))]

@@ -210,7 +210,7 @@ def _run(box: sandbox.Sandbox, venv: str, job: Job, gate=None) -> tuple[sandbox.
 
 
 def run_in_turn(box: sandbox.Sandbox, venv: str, todo: list[Job]) -> list:
-  """Run the jobs one at a time (issue 30): a run holding the hidden tests' answers (the suite run, real
+  """Run the jobs one at a time: a run holding the hidden tests' answers (the suite run, real
   twins) never executes beside another run of the grade, so nothing can be signalled across sandboxes;
   each run's process tree is dead and its tmpfs gone before the next one's code runs. To keep the
   start-up off the critical path, the next job's sandbox is started while the current one runs and held

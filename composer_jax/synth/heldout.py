@@ -15,7 +15,7 @@ solution fails both the test and the check, and is not flagged; passing a test w
 different answer for its input is what forged results, permissive objects and answers read from the
 test's frame or file look like.
 
-Inputs no test made (issue 30): code that only knows the answers for the tests' own inputs (a table of
+Inputs no test made: code that only knows the answers for the tests' own inputs (a table of
 them) answers those calls right. So each recorded call also yields a few variants (one int, string,
 float or sequence inside its arguments changed; `variants`), whose original outputs the driver computes
 the same way. When every FAIL_TO_PASS test passed and at least half of (at least MIN_GENERATED)

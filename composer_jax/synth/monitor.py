@@ -1,6 +1,6 @@
 """Rule-based reward-hack monitor over an agent's changes and its action log: the second line of defence.
 
-The reward no longer depends on it: the grader runs only a snapshot's library sources in a fresh tree with
+The reward does not depend on it: the grader runs only a snapshot's library sources in a fresh tree with
 pristine tests, judges hidden tests through canaries and held-out calls (grading.py), and its own
 observations flag what the code did. The monitor names what the agent *tried* and explains it. It stays
 deterministic and explainable on purpose: every reason names the rule and the offending

@@ -1,4 +1,4 @@
-"""The result pipe's records, validated as data before the grader uses any of them (issue 30).
+"""The result pipe's records, validated as data before the grader uses any of them.
 
 Why: the runner shares its interpreter with the code under test, which can write to the pipe too (its fd
 number is in the environment) and can rewrite what the runner writes. So nothing on the pipe is trusted

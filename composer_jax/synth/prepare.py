@@ -33,7 +33,7 @@ class Prepared:
   valid: dict  # unit key -> frozenset of parametrisation keys whose canary fails on the original
   checks: heldout.Checks | None
   notes: tuple
-  # The grader's own identities of the twin cases (issue 30): (unit key, kind) -> {"[params]": parametrisation
+  # The grader's own identities of the twin cases: (unit key, kind) -> {"[params]": parametrisation
   # key} as the original run collected them, and the `extra_key`s of tests a generated module collects
   # besides its twins (e.g. inherited from an imported mixin): expected, never counted.
   cases: dict = dataclasses.field(default_factory=dict)

@@ -4,7 +4,7 @@ Runs as `python -I -B /.grader/runner.py` (standalone: it imports nothing of com
 the sandbox). Its spec arrives on a memfd, read and closed before any code under test runs: no file in the
 sandbox tells a run which run of the grade it is.
 
-Every run looks the same to the code under test (issue 30): the same argv, environment (no fd number in
+Every run looks the same to the code under test: the same argv, environment (no fd number in
 it: the runner finds the sandbox's fds by kind, and `/proc/self/environ` keeps what a process started
 with), the same open fds (the result pipe moved to CHANNEL_FD, the spec's memfd and the gate closed), the
 same working directory and the same modules imported before its code (pytest and the venv's plugins, in

@@ -1,6 +1,6 @@
 """Run untrusted (model-written) code under bubblewrap: no network, read-only system, one task dir.
 
-Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md):
+Why each layer:
 - bubblewrap namespaces hide the host FS, env, processes and network (~+4 ms per process start); the
   command line is built in `bwrap.py`. `/tmp` is a size-capped tmpfs, and with `copy_in` so is the task
   dir (the host tree is bound read-only and copied in): a run cannot fill the host disk or leave files
@@ -20,7 +20,7 @@ Why each layer (measured on the project's 2-core machine; benchmarks/RESULTS.md)
 - The extra fds (the channel's write end, the `inputs` memfd named "inputs", a gate's read end) are found
   by the command by kind among its fds above 2; no number goes into its environment, which
   `/proc/self/environ` would show for the life of the process (and which would differ between runs).
-- Nothing one run does may be read by another (issue 30): host-wide counters under /proc (open files,
+- Nothing one run does may be read by another: host-wide counters under /proc (open files,
   memory, load, CPU times, locks) are masked (`bwrap.py`), open files are capped per process, a tree
   gets at most `cgroups.CPU_QUOTA` CPUs, and what the command needs (the runner's spec) comes through a
   memfd (`inputs`), not a file in the sandbox.

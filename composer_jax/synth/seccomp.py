@@ -10,8 +10,8 @@ sandboxed command is executed, so bwrap's own set-up is not affected.
 
 Denied with EPERM: unshare, setns, clone with any namespace flag, ptrace, process_vm_readv/writev, bpf,
 userfaultfd, perf_event_open, the keyring calls and every mount call. Also every call that reads state one
-sandbox can move and a later one can read (issue 30: runs of a grade must not talk to each other, nor
-learn when they run): sysinfo (uptime, load averages, free memory, process count: the /proc files with
+sandbox can move and a later one can read (runs of a grade must not talk to each other, nor learn
+when they run): sysinfo (uptime, load averages, free memory, process count: the /proc files with
 the same counters are masked in bwrap.py), syslog (the kernel log, where a crash of one run is a line
 another can read), and the page cache's residency of the read-only files every sandbox shares (cachestat,
 mincore, io_uring, and preadv2 with RWF_NOWAIT). The static host identity stays (uname's release; the

@@ -1,11 +1,11 @@
 """Read an agent's working tree once, into memory, without trusting anything in it.
 
-Why: the grader used to read the tree twice (a diff for the monitor, a copy for the run), following
-symlinks, blocking on FIFOs and reading sparse files whole. Here every directory and file is opened
-relative to its parent's descriptor with `O_NOFOLLOW`, so a symlink swapped in anywhere is never
-followed; only regular files with one link are read, non-blocking, up to a size cap (a file that exists
-in the reference with the same size may be read up to that size); everything else is *refused* with a
-reason: symlink, fifo, device, socket, hard link, oversize, over budget. The monitor and the run both
+Why: reading the tree twice (a diff for the monitor, a copy for the run) would let it change in between,
+and a plain walk follows symlinks, blocks on FIFOs and reads sparse files whole. Here every directory and
+file is opened relative to its parent's descriptor with `O_NOFOLLOW`, so a symlink swapped in anywhere is
+never followed; only regular files with one link are read, non-blocking, up to a size cap (a file that
+exists in the reference with the same size may be read up to that size); everything else is *refused* with
+a reason: symlink, fifo, device, socket, hard link, oversize, over budget. The monitor and the run both
 use this one snapshot, and `changed_since` re-stats the tree after grading: a tree that changed while it
 was graded had a writer running, which an honest episode never has.
 """

@@ -11,14 +11,12 @@ prod → vmul): a prompt that documents `sum` has stale docs, and the environmen
 The error names the failure ("unknown tool 'sum'") but not the fix, so a model that follows the docs
 cannot recover; the detector's hint states the rule ("Note: the tool sum was renamed to vadd."). A
 rule shared across episodes can be distilled into the policy; a per-episode secret could not.
-The current names are outside the docs' pools, so RL alone cannot stumble on them: with current names
-from the pools (sum → add) RL alone found the rule by sampling `add` under `sum` docs in some seeds
-within 30 steps, and the comparison measured the luck of that search (benchmarks/RESULTS.md).
-A wrong call costs `invalid_penalty`, and the episode ends at the first one
-(`max_errors`): with retries the SFT model sometimes tried the current name after the error (12 % of
-stale episodes), which RL alone then reinforced -- the hint carried nothing RL could not find. Without
-them the student's first call is the only chance, and it names the documented tool (valid rate 0.001
-on 121 flagged turns, benchmarks/RESULTS.md).
+The current names are outside the docs' pools, so RL alone cannot stumble on them: were they in the
+pools (sum → add), sampling another documented name would find the rule by luck, and a comparison of
+the arms would measure that luck. A wrong call costs `invalid_penalty`, and the episode ends at the
+first one (`max_errors`): with retries the SFT model sometimes tries the current name after the error,
+which RL alone then reinforces, and the hint carries nothing RL could not find. Without them the
+student's first call is the only chance, and it names the documented tool.
 
 `demonstrations` is the SFT corpus (docs-following calls; mistakes, errors, hints and recoveries;
 hints that override the prompt; neutral notes, so that the null control is in distribution). On SFT
@@ -161,11 +159,10 @@ class DemoMix:
   # the prompt, so a message before a turn is no sign by itself to leave the docs (gate G2).
   null_note: float = 0.25
   # The server renamed a documented tool and the unknown_tool reminder lists the current names, after a
-  # wrong-name mistake. Without these demos the reminder always equalled the docs, and on stale-docs
-  # episodes the frozen teacher, reminded "available tools are add, ...", still called the documented
-  # `sum` (0/8; teacher 0.70 vs student 0.875 valid on those turns, benchmarks/RESULTS.md). Half of them
-  # with the reminder before the turn and no mistake made a message before a stale-docs turn read as
-  # "depart from the docs": gate G2 failed, null 0.063 vs student 0.001 valid on stale_tool turns.
+  # wrong-name mistake. Without these demos the reminder always equals the docs, and the frozen teacher,
+  # reminded of the current names, still calls the documented one. They come only after a mistake: a
+  # reminder before a turn with no mistake teaches that any message before a stale-docs turn means
+  # "depart from the docs", which the null note must not (gate G2).
   renamed_reminder: float = 0.1
   # Of those: share where the other documented tool is retired too, so the reminder lists both current
   # names (the environment's reminder on an episode whose docs are stale for both tools).
