@@ -1,4 +1,4 @@
-"""docs/cluster.md's memory and fit claims, recomputed.
+"""docs/cluster.md's and docs/scale.md's memory and fit claims, recomputed.
 
 The doc quotes XLA:TPU's compiled per-chip memory (the `compile` stage, run by hand: minutes to an hour
 per variant, numbers in benchmarks/RESULTS.md) and the planner's GPU estimates. This parses its tables
@@ -22,7 +22,7 @@ from composer_jax.plan import compile as compile_stage
 from composer_jax.plan import core
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_DOC = (_ROOT / "docs" / "cluster.md").read_text()
+_DOC = "\n".join((_ROOT / "docs" / name).read_text() for name in ("cluster.md", "scale.md"))
 _V5P_GIB = compile_stage.HBM_BYTES["TPU v5"] / 2**30
 _GIB = 2**30
 _ROUNDING = 0.051  # the doc rounds GiB to 0.1
