@@ -76,7 +76,7 @@ def rl_phases(config: configs.Config, plan: core.Plan) -> dict[str, dict[str, in
   loss["teacher_scores"] = f_local * big_n * v * 4
   slots = cols + big_l
   teacher = {
-    "weights": sum(p.local_size for p in leaves(cfg, plan.layout)) * a if cfg.dtype != cfg.param_dtype else 0,
+    "weights": plan.phases["head"].get("parameter_casts", 0),  # its params, cast like the student's
     "cache": f_local * slots * cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a,
     "prefix_scores": 2 * f_local * (cols // deg.seq) * cfg.n_heads * slots * 4,
     "logits": f_local * big_l * v * 4,
@@ -111,7 +111,8 @@ def decode_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
   where = sharding.cache_shardings(cache, meshes, decode=True)
   cache_bytes = sum(_nbytes(tuple(where[k].shard_shape(v.shape)), v.dtype, tpu) for k, v in cache.items())
   layout = derive_layout(config.mesh.dense, config.mesh.expert, None, cfg.n_experts)
-  params = sum(p.local_bytes(tpu) for p in leaves(cfg, layout))
+  layer_leaves = leaves(cfg, layout)
+  params = sum(p.local_bytes(tpu) for p in layer_leaves)
   a = np.dtype(cfg.dtype).itemsize
   cast = cfg.dtype != cfg.param_dtype
   fsdp = sharding.degrees(meshes).fsdp
@@ -123,7 +124,7 @@ def decode_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
     "head_gathered": head,
     "head_local_cast": head // fsdp if cast else 0,
     "logits": rows_local * cfg.vocab_size * 4 * 2,  # fp32 logits and their log-softmax
-    "stack_casts": sum(p.local_size for p in leaves(cfg, layout) if p.stack) * a if cast else 0,
+    "stack_casts": sum(p.local_size for p in layer_leaves if p.stack) * a if cast else 0,
   }
   temp = max(terms["head_gathered"] + terms["head_local_cast"] + terms["logits"], terms["stack_casts"])
   out = cache_bytes
