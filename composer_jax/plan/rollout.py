@@ -89,7 +89,8 @@ def rl_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
   r = config.rl
   rows, cols = rl_shape(r)
   train = dataclasses.replace(config.train, batch_size=rows, seq_len=cols, grad_accum=1)
-  plan = core.make_plan(dataclasses.replace(config, train=train), tpu=tpu)
+  whole_logits = dataclasses.replace(config.model, loss_chunk=0)  # the RL loss reads every token's logits
+  plan = core.make_plan(dataclasses.replace(config, train=train, model=whole_logits), tpu=tpu)
   teacher = sum(plan.memory[m]["params"] for m in ("dense", "expert")) if r.teacher != "live" else 0
   split = plan.layout.degrees
   grid = _RL_GRID_FIELDS * rows * cols * 4 // (split.batch * split.seq)
