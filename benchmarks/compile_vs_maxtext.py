@@ -188,6 +188,9 @@ def main() -> None:
   p.add_argument(
     "--capacity_factor", type=float, default=None, help="our model.capacity_factor (EP buffers; default 2)"
   )
+  p.add_argument(
+    "--expert_chunks", type=int, default=None, help="our model.expert_chunks (default: the variant's)"
+  )
   args = p.parse_args()
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +199,9 @@ def main() -> None:
   if args.capacity_factor is not None:  # item 3: the EP buffers' share of our step (RESULTS.md)
     model = dataclasses.replace(config.model, capacity_factor=args.capacity_factor)
     config, tag = dataclasses.replace(config, model=model), f"{tag}_cf{args.capacity_factor:g}"
+  if args.expert_chunks is not None:  # the MoE row-chunk loop on or off (RESULTS.md)
+    model = dataclasses.replace(config.model, expert_chunks=args.expert_chunks)
+    config, tag = dataclasses.replace(config, model=model), f"{tag}_chunks{args.expert_chunks}"
   if not args.skip_maxtext:
     if not args.maxtext_python:
       p.error("--maxtext_python is needed unless --skip_maxtext")
@@ -211,6 +217,7 @@ def main() -> None:
   result = {"variant": args.variant, "topology": args.topology, "maxtext_overrides": MOONLIGHT_OVERRIDES}
   result |= sides | {"table": table(sides["ours"], sides["maxtext"])}
   result["capacity_factor"] = config.model.capacity_factor
+  result["expert_chunks"] = config.model.expert_chunks
   (out / f"compile_vs_maxtext{tag}.json").write_text(json.dumps(result, indent=1))
   print(result["table"])
   print(

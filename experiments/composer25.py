@@ -171,6 +171,9 @@ def moonlight_16b() -> configs.Config:
     # Its 4 rows × 4096 × 163840 fp32 log-softmax (10 GiB per chip) was the step's largest live set;
     # Kimi's (1 row per chip) is not, and chunking it there costs more than it saves.
     loss_chunk=256,
+    # The EP receive buffer (capacity factor 2) in 16 row chunks: compute for the rows received, the
+    # expert hidden one chunk at a time (RESULTS.md: "The MoE layer computes the rows it received").
+    expert_chunks=16,
   )
   return _cluster(
     configs.Config(

@@ -81,6 +81,21 @@ def test_unknown_trip_count_counts_once_and_is_reported():
   assert est["correction"] == {"flops": 1.0, "bytes": 1.0, "seconds": 1.0}
 
 
+def test_a_data_dependent_loop_counts_its_expected_trips():
+  """A loop whose bound is not a constant (the MoE row-chunk loop) counts the trips its scope name
+  states; without the scope it counts once and is reported unknown."""
+  text = _module().replace("%limit = s32[] constant(5)", "%limit = s32[] get-tuple-element(%q), index=0")
+  assert "constant(5)" not in text
+  assert [loop["trip_count"] for loop in estimate.walk(text, "TPU v5").loops] == [None]
+  scoped = text.replace(
+    "condition=%cond, body=%body",
+    'condition=%cond, body=%body, metadata={op_name="f/transpose(jvp(expert_row_chunks_expect9))/while"}',
+  )
+  w = estimate.walk(scoped, "TPU v5")
+  assert [(loop["trip_count"], loop["expected"]) for loop in w.loops] == [(9, True)]
+  assert w.weighted.flops == 9 * (2 * 64 * 32 * 32 + 2)
+
+
 def test_estimate_scales_xla_figures_and_falls_back_on_negative_seconds():
   cost = {"flops": 1e9, "bytes accessed": 1e6, "optimal_seconds": 1e-3}
   est = estimate.estimate(_module(), cost, "TPU v5")

@@ -11,9 +11,11 @@ sigmoid scores, bias added for selection only, group score = sum of the top 2 pe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -347,6 +349,102 @@ def test_tokamax_expert_kernel_matches_ragged():
     np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
 
 
+@pytest.mark.parametrize("used", [0, 13, 24, 48])
+def test_row_chunked_ragged_path_equals_one_pass(used):
+  """The ragged path in 4 row chunks (`model.expert_chunks`) against one pass: values and all four
+  gradients, with the assigned rows ending mid-chunk, at a chunk edge, filling all, or none (a padded
+  EP receive buffer: ids outside [0, E) past them); skewed load, an empty expert."""
+  E, D, F, A = 4, 32, 16, 48
+  rng = np.random.default_rng(21)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  ids_A = np.full(A, E, np.int32)
+  ids_A[rng.permutation(A)[:used]] = rng.choice(E, used, p=[0.6, 0.3, 0.1, 0.0])
+  weights = _random_expert_weights(rng, E, D, F)
+  cot_AD = rng.standard_normal((A, D)).astype(np.float32)
+
+  def value_and_grads(chunks):
+    def loss(x, *ws):
+      return jnp.sum(experts.experts_ragged(x, ids_A, *ws, "float32", 1, jax.lax.ragged_dot, chunks) * cot_AD)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x_AD, *weights)
+
+  want, want_grads = value_and_grads(1)
+  got, got_grads = value_and_grads(4)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g, w in zip(got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * max(np.abs(w).max(), 1.0))
+  if used:
+    assert float(np.abs(want_grads[1]).max()) > 1e-3
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_presorted_rows_skip_the_sort_and_match(chunks):
+  """Rows already grouped by expert with the assigned ones first and zeros after (a ragged EP receive
+  buffer): the presorted path gives the sorting path's values and gradients on the assigned rows."""
+  E, D, F, A, used = 2, 16, 8, 32, 21
+  rng = np.random.default_rng(23)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  x_AD[used:] = 0
+  ids_A = np.full(A, E, np.int32)
+  ids_A[:used] = np.sort(rng.integers(0, E, used))
+  weights = _random_expert_weights(rng, E, D, F)
+  cot_AD = rng.standard_normal((A, D)).astype(np.float32)
+  cot_AD[used:] = 0  # the caller reads no row past the assigned ones
+
+  def value_and_grads(presorted):
+    def loss(x, *ws):
+      y = experts.experts_ragged(x, ids_A, *ws, "float32", 1, jax.lax.ragged_dot, chunks, None, presorted)
+      return jnp.sum(y * cot_AD), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x_AD, *weights)
+
+  (_, want_y), want = value_and_grads(False)
+  (_, got_y), got = value_and_grads(True)
+  np.testing.assert_allclose(
+    np.asarray(got_y)[:used], np_expert_rows(x_AD[:used], ids_A[:used], *weights), rtol=1e-5, atol=1e-5
+  )
+  np.testing.assert_allclose(np.asarray(got_y)[:used], np.asarray(want_y)[:used], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got[0])[:used], np.asarray(want[0])[:used], rtol=1e-5, atol=1e-5)
+  for g, w in zip(got[1:], want[1:], strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+def test_row_chunks_run_only_the_chunks_holding_rows():
+  """The chunk loop's trip count is the chunks that hold assigned rows, forward and backward: a kernel
+  that counts its calls (through a host callback) sees ceil(used / rows per chunk) × 2 matmuls forward,
+  and again in the backward pass (its recomputed forward) plus the transposes."""
+  E, D, F, A, chunks = 2, 8, 8, 64, 8  # 8 rows per chunk
+  rng = np.random.default_rng(22)
+  x_AD = rng.standard_normal((A, D)).astype(np.float32)
+  ids_A = np.full(A, E, np.int32)
+  ids_A[:19] = rng.integers(0, E, 19)  # 19 rows: 3 chunks
+  weights = _random_expert_weights(rng, E, D, F)
+  calls = []
+
+  def counting(x, w, sizes, preferred_element_type=None):
+    jax.debug.callback(lambda: calls.append(1))
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=preferred_element_type)
+
+  y = jax.jit(lambda x, *ws: experts.experts_ragged(x, ids_A, *ws, "float32", 1, counting, chunks))(
+    x_AD, *weights
+  )
+  jax.block_until_ready(y)
+  assert len(calls) == 3 * 2
+  expected_AD = np.zeros((A, D))
+  expected_AD[:19] = np_expert_rows(x_AD[:19], ids_A[:19], *weights)
+  np.testing.assert_allclose(y, expected_AD, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="must divide"):
+    experts.experts_ragged(x_AD[:60], ids_A[:60], *weights, "float32", 1, jax.lax.ragged_dot, chunks)
+
+
+def test_expected_chunks_for_the_cost_model():
+  # A buffer of 2x the balanced share in 16 chunks: the share fills 8, one more for a busier device.
+  assert experts.expected_chunks(98304, 196608, 16) == 9
+  assert experts.expected_chunks(100, 100, 4) == 4  # no padding: every chunk, nothing added
+  assert experts.expected_chunks(10, 400, 4) == 2
+  assert experts.expected_chunks(390, 400, 4) == 4  # capped at all chunks
+
+
 @pytest.mark.parametrize("block", [5, 64])
 def test_blocked_path_is_dropless_with_exact_gradients(block):
   """Skewed load (one expert takes half), empty experts and out-of-range ids; values and grads."""
@@ -497,6 +595,31 @@ def test_dropless_all_to_all_dispatch_matches_local_path_under_skew(meshes):
   assert int(dropped) == 0
 
 
+def test_dispatch_with_row_chunks_matches_one_pass_under_skew(meshes):
+  """The ragged path in row chunks behind the EP dispatch (dropless buffers, mostly empty: the loop
+  runs the chunks that got rows): values against NumPy, gradients against one pass."""
+  base = _cfg(n_experts=8, top_k=2, capacity_factor=0.0, expert_impl="ragged")
+  x_TD, _, weights = _ep_inputs(base, 64, seed=14)
+  ids_TK = np.tile(np.array([[3, 5]], np.int32), (64, 1))
+  ids_TK[::3] = [[0, 6]]
+  cot_TKD = np.random.default_rng(15).standard_normal((64, 2, base.d_model)).astype(np.float32)
+
+  def run(cfg):
+    def loss(x, *ws):
+      y_TKD, _ = expert_parallel.dispatch(x, ids_TK, ws, cfg, meshes)
+      return jnp.sum(y_TKD * cot_TKD), y_TKD
+
+    (_, y_TKD), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x_TD, *weights)
+    return y_TKD, grads
+
+  y_TKD, grads = run(dataclasses.replace(base, expert_chunks=4))
+  want = np_expert_rows(np.repeat(x_TD, 2, 0), ids_TK.reshape(-1), *weights)
+  np.testing.assert_allclose(np.asarray(y_TKD).reshape(-1, base.d_model), want, rtol=1e-5, atol=1e-5)
+  _, want_grads = run(base)
+  for g, w in zip(grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
 def test_all_to_all_dispatch_counts_overflow(meshes):
   cfg = _cfg(n_experts=8, top_k=2, capacity_factor=0.5)
   n_ep, n_tokens = meshes.expert_parallelism, 64
@@ -531,10 +654,39 @@ def test_ragged_offsets_simulate_filling_receive_buffers(buffer_rows):
   assert (offsets_SP + sent_SP <= max(buffer_rows, 0)).all()
 
 
-def test_ragged_all_to_all_dispatch_lowers(meshes):
+@pytest.mark.parametrize("chunks", [0, 5])
+def test_ragged_all_to_all_dispatch_lowers(meshes, chunks):
   """XLA:CPU cannot compile ragged-all-to-all (jax #34755), so on CPU only the lowering is checked;
-  its numerics need a GPU/TPU run."""
-  cfg = _cfg(n_experts=8, top_k=2, dispatch="ragged_all_to_all")
+  its numerics need a GPU/TPU run. With 5 row chunks the receive buffer pads to a multiple of 5."""
+  cfg = _cfg(n_experts=8, top_k=2, dispatch="ragged_all_to_all", expert_impl="ragged", expert_chunks=chunks)
   x_TD, ids_TK, weights = _ep_inputs(cfg, 64, seed=9)
   text = _dispatch_fn(cfg, meshes).lower(x_TD, ids_TK, *weights).as_text()
   assert "ragged_all_to_all" in text or "ragged-all-to-all" in text
+
+
+def test_ragged_dispatch_backward_sums_no_rows_across_devices(meshes):
+  """The receive and return buffers of ragged_all_to_all hold per-device rows. Typed invariant (a bare
+  `jnp.zeros` inside shard_map), the backward pass would sum their gradient over the expert axes —
+  wrong gradients on every TPU/GPU step, invisible on CPU (no lowering to run). No float psum may
+  appear in the gradient's program (the dropped count's integer psum is the forward's)."""
+  cfg = _cfg(n_experts=8, top_k=2, dispatch="ragged_all_to_all", expert_impl="ragged")
+  x_TD, ids_TK, weights = _ep_inputs(cfg, 64, seed=9)
+
+  def loss(x, *ws):
+    y_TKD, _ = expert_parallel.dispatch(x, ids_TK, ws, cfg, meshes)
+    return jnp.sum(y_TKD)
+
+  eqns = []
+
+  def collect(jaxpr):
+    for eqn in jaxpr.eqns:
+      eqns.append(eqn)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        collect(sub)
+
+  collect(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x_TD, *weights).jaxpr)
+  assert any(e.primitive.name == "ragged_all_to_all" for e in eqns)
+  summed = [
+    e for e in eqns if e.primitive.name.startswith("psum") and any(v.aval.dtype.kind == "f" for v in e.invars)
+  ]
+  assert not summed, [str(e)[:120] for e in summed]

@@ -118,6 +118,10 @@ class ModelConfig:
   expert_block: int = 128  # blocked path: rows per block (padding < n_experts·expert_block rows).
   # Slots per expert (capacity path) / per EP buffer, × a balanced share; 0: dropless (worst-case buffers).
   capacity_factor: float = 2.0
+  # Ragged/tokamax paths: the sorted rows in this many equal chunks, a `while` loop running only those
+  # that hold assigned rows (compute for the rows a padded EP buffer got, not its size; the hidden
+  # activations one chunk at a time). 0 or 1: one pass over every row. The EP buffer pads to a multiple.
+  expert_chunks: int = 0
   dispatch: Literal["all_to_all", "ragged_all_to_all"] = "all_to_all"  # expert parallelism.
   router_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss weight (α).
   # Activation rematerialisation per block in training: "none", "full" (keep block inputs only),
@@ -294,6 +298,8 @@ def _check(c: ModelConfig) -> None:
     problems.append(f"dispatch={c.dispatch!r} must be 'all_to_all' or 'ragged_all_to_all'")
   if c.remat not in ("none", "full", "dots", "dots_with_batch"):
     problems.append(f"remat={c.remat!r} must be 'none', 'full', 'dots' or 'dots_with_batch'")
+  if c.expert_chunks < 0:
+    problems.append(f"expert_chunks={c.expert_chunks} must be >= 0 (0: one pass over every row)")
   if c.capacity_factor < 0:
     problems.append(f"capacity_factor={c.capacity_factor} must be >= 0 (0: dropless)")
   if c.dtype not in ("float32", "bfloat16") or c.param_dtype not in ("float32", "bfloat16"):

@@ -142,7 +142,7 @@ def _all_to_all_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.Exper
   if not dropless:
     local_slots = min(local_slots, math.ceil(A / local_experts * cfg.capacity_factor))
   y_recv, dropped_local = experts_local(
-    recv_x, recv_ids, *weights, cfg, max(local_slots, 1), 1, _platform(ep)
+    recv_x, recv_ids, *weights, cfg, max(local_slots, 1), 1, _platform(ep), A
   )
   y_send = jax.lax.all_to_all(y_recv, ep.experts, 0, 0, tiled=True)
 
@@ -172,6 +172,8 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
     rows = n_ep * worst_case_rows(T, cfg, n_ep)
   else:
     rows = max(1, min(n_ep * A, math.ceil(A * cfg.capacity_factor)))
+  if cfg.expert_chunks > 1:  # whole row chunks (`experts.row_chunked_swiglu`)
+    rows = -(-rows // cfg.expert_chunks) * cfg.expert_chunks
   ids_A = ids_TK.reshape(A)
   dest_A = ids_A // local_experts
   order_A, sizes_P, starts_P, _ = sort_by_expert(dest_A, n_ep)
@@ -186,9 +188,11 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
 
   x_sorted = x_TD[order_A // K]
   ids_sorted = (ids_A % local_experts)[order_A]
+  # The output buffers hold other devices' rows: typed varying (`sharding.vary_like`), or the backward
+  # pass would sum the received rows' gradient over the expert axes.
   recv_x = exchange(
     x_sorted,
-    jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype),
+    sharding.vary_like(jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), x_sorted, *weights),
     starts_P,
     sent_SP[me],
     out_offsets_SP[me],
@@ -196,17 +200,27 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
   )
   recv_ids = exchange(
     ids_sorted,
-    jnp.full((rows,), local_experts, ids_sorted.dtype),
+    sharding.vary_like(jnp.full((rows,), local_experts, ids_sorted.dtype), ids_sorted),
     starts_P,
     sent_SP[me],
     out_offsets_SP[me],
     sent_SP[:, me],
   )
-  y_recv, dropped_local = experts_local(recv_x, recv_ids, *weights, cfg, rows, 1, _platform(ep))
+  # On average a device receives as many rows as it sends (A): the row chunks' expected share. The
+  # received rows fill the buffer from row 0; with one local expert they are already grouped, and only
+  # they are sent back.
+  y_recv, dropped_local = experts_local(
+    recv_x, recv_ids, *weights, cfg, rows, 1, _platform(ep), A, presorted=local_experts == 1
+  )
   # Back: my received chunk from s sits at out_offsets[s, me]; it returns to s's sorted rows.
   starts_SP = jax.lax.all_gather(starts_P, ep.experts)
   y_sorted = exchange(
-    y_recv, jnp.zeros_like(x_sorted), out_offsets_SP[:, me], sent_SP[:, me], starts_SP[:, me], sent_SP[me]
+    y_recv,
+    sharding.vary_like(jnp.zeros_like(x_sorted), x_sorted, y_recv),
+    out_offsets_SP[:, me],
+    sent_SP[:, me],
+    starts_SP[:, me],
+    sent_SP[me],
   )
   y_AD = jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
   dropped = jnp.sum(sizes_P - sent_SP[me]) + dropped_local

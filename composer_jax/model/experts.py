@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from composer_jax import sharding
 from composer_jax.model import tokamax_private
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import project
@@ -70,26 +71,151 @@ def sort_by_expert(expert_ids_A: jax.Array, n_experts: int):
   return order_A, sizes_E, starts_E, rank_A
 
 
+def _grouped_swiglu(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, ragged_dot):
+  """SwiGLU over rows sorted by expert (group e: the next sizes_E[e] rows), in the weights' dtype."""
+  F = w_down_EFD.shape[1]
+
+  def grouped(x, w):
+    return ragged_dot(x, w, sizes_E, preferred_element_type=jnp.float32).astype(w.dtype)
+
+  gate_up = grouped(x_RD, w_gate_up_EDF)  # one matmul, not two
+  return grouped(jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:], w_down_EFD)
+
+
+def chunk_sizes(sizes_E: jax.Array, start, rows: int) -> jax.Array:
+  """Group sizes of rows [start, start + rows) of a layout sorted by group (group e: sizes_E[e] rows)."""
+  ends_E = jnp.cumsum(sizes_E)
+  return jnp.clip(jnp.minimum(ends_E, start + rows) - jnp.maximum(ends_E - sizes_E, start), 0, None)
+
+
+def chunks_used(sizes_E: jax.Array, rows: int) -> jax.Array:
+  """How many chunks of `rows` rows the assigned rows (Σ sizes, from row 0) reach into."""
+  return (jnp.sum(sizes_E) + rows - 1) // rows
+
+
+def expected_chunks(expected_rows: int, total_rows: int, chunks: int) -> int:
+  """The row-chunk loop's trip count for the cost model: the chunks a device's expected share of rows
+  fills, plus one for a device above the mean (capped at all chunks). XLA cannot know a data-dependent
+  trip count; `plan.estimate` reads this number from the loop's scope name."""
+  rows = total_rows // chunks
+  return min(chunks, -(-expected_rows // rows) + (1 if expected_rows < total_rows else 0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def row_chunked_swiglu(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks: int, expect: int, ragged_dot):
+  """`_grouped_swiglu` over R sorted rows in `chunks` equal chunks, running only the chunks that hold
+  assigned rows (a `while` loop of data-dependent length): a receive buffer sized for the worst case
+  costs compute for the rows it actually got, and the [R, 2F] hidden activations live one chunk at a
+  time. Rows of unrun chunks are 0; rows past Σ sizes inside a run chunk are the kernel's (mask them).
+  The backward pass recomputes each chunk's forward (the residuals are the inputs only) and sums the
+  weight gradients over chunks in fp32."""
+  return _row_chunks_forward(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks, expect, ragged_dot)
+
+
+def _row_chunks_forward(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks, expect, ragged_dot):
+  R, D = x_RD.shape
+  rows = R // chunks
+
+  def body(i, y_RD):
+    start = i * rows
+    x_rD = jax.lax.dynamic_slice_in_dim(x_RD, start, rows)
+    y_rD = _grouped_swiglu(x_rD, chunk_sizes(sizes_E, start, rows), w_gate_up_EDF, w_down_EFD, ragged_dot)
+    return jax.lax.dynamic_update_slice_in_dim(y_RD, y_rD.astype(y_RD.dtype), start, 0)
+
+  with jax.named_scope(f"expert_row_chunks_expect{expect}"):
+    init = jnp.zeros((R, D), w_down_EFD.dtype)
+    return _dynamic_fori(chunks_used(sizes_E, rows), body, init, x_RD, sizes_E, w_gate_up_EDF, w_down_EFD)
+
+
+def _dynamic_fori(n, body, init, *varying_like):
+  """fori_loop(0, n, body, init) for a traced n: a `while` of data-dependent length. Inside `shard_map`
+  the carry must vary over the mesh axes its updates vary over (those of `varying_like`)."""
+  init = sharding.vary_like((jnp.int32(0), init), *varying_like)
+  _, out = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), init)
+  return out
+
+
+def _row_chunks_fwd(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks, expect, ragged_dot):
+  y = _row_chunks_forward(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks, expect, ragged_dot)
+  return y, (x_RD, sizes_E, w_gate_up_EDF, w_down_EFD)
+
+
+def _row_chunks_bwd(chunks, expect, ragged_dot, residuals, dy_RD):
+  x_RD, sizes_E, w_gu, w_down = residuals
+  rows = x_RD.shape[0] // chunks
+
+  def body(i, carry):
+    dx_RD, dgu, ddown = carry
+    start = i * rows
+    sizes = chunk_sizes(sizes_E, start, rows)
+    x_rD = jax.lax.dynamic_slice_in_dim(x_RD, start, rows)
+    _, vjp = jax.vjp(lambda x, a, b: _grouped_swiglu(x, sizes, a, b, ragged_dot), x_rD, w_gu, w_down)
+    dx_rD, dgu_c, ddown_c = vjp(jax.lax.dynamic_slice_in_dim(dy_RD, start, rows).astype(w_down.dtype))
+    dx_RD = jax.lax.dynamic_update_slice_in_dim(dx_RD, dx_rD.astype(dx_RD.dtype), start, 0)
+    return dx_RD, dgu + dgu_c.astype(jnp.float32), ddown + ddown_c.astype(jnp.float32)
+
+  init = (jnp.zeros_like(x_RD), jnp.zeros(w_gu.shape, jnp.float32), jnp.zeros(w_down.shape, jnp.float32))
+  with jax.named_scope(f"expert_row_chunks_expect{expect}"):
+    dx_RD, dgu, ddown = _dynamic_fori(
+      chunks_used(sizes_E, rows), body, init, x_RD, sizes_E, w_gu, w_down, dy_RD
+    )
+  return dx_RD, None, dgu.astype(w_gu.dtype), ddown.astype(w_down.dtype)
+
+
+row_chunked_swiglu.defvjp(_row_chunks_fwd, _row_chunks_bwd)
+
+
 def experts_ragged(
-  x_ND, expert_ids_A, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, per_token=1, ragged_dot=jax.lax.ragged_dot
+  x_ND,
+  expert_ids_A,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  dtype,
+  per_token=1,
+  ragged_dot=jax.lax.ragged_dot,
+  chunks: int = 1,
+  expected_rows: int | None = None,
+  presorted: bool = False,
 ) -> jax.Array:
   """Dropless grouped SwiGLU: one row per assignment out. Ids outside [0, E) give zeros.
 
-  `ragged_dot`: `jax.lax.ragged_dot` or a kernel with its signature (`tokamax_ragged_dot`)."""
-  E, F = w_gate_EDF.shape[0], w_gate_EDF.shape[2]
+  `ragged_dot`: `jax.lax.ragged_dot` or a kernel with its signature (`tokamax_ragged_dot`).
+  `chunks` > 1 (dividing A): the sorted rows in that many chunks, only those holding assigned rows
+  run (`row_chunked_swiglu`); `expected_rows` (default A) is the cost model's guess of how many do.
+  `presorted`: the rows are already grouped by expert with every assigned row first and zeros after
+  (the ragged EP receive buffer of a device holding one expert), and the caller reads no row past them:
+  no sort, no unsort and no masks — three passes over the buffer fewer."""
+  E, A = w_gate_EDF.shape[0], expert_ids_A.shape[0]
+  w_gate_up = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1).astype(dtype)
+  w_down = w_down_EFD.astype(dtype)
+  if presorted:
+    if per_token != 1:
+      raise ValueError("presorted rows are one per assignment (per_token=1).")
+    sizes_E = jnp.zeros((E,), jnp.int32).at[expert_ids_A].add(1, mode="drop")
+    return _swiglu_rows(
+      jnp.asarray(x_ND).astype(dtype), sizes_E, w_gate_up, w_down, ragged_dot, chunks, expected_rows
+    )
   order_A, sizes_E, _, _ = sort_by_expert(expert_ids_A, E)
   # Rows past Σ sizes (ids outside [0, E)) are zero for jax.lax.ragged_dot; a kernel may leave them as
   # they were (NaN in Pallas interpret mode), in its output and in its input gradient: masked on both
   # sides, so neither reaches y nor x's gradient.
-  valid_sorted = (jnp.arange(expert_ids_A.shape[0]) < jnp.sum(sizes_E))[:, None]
+  valid_sorted = (jnp.arange(A) < jnp.sum(sizes_E))[:, None]
   x_sorted = jnp.where(valid_sorted, jnp.asarray(x_ND)[order_A // per_token], 0).astype(dtype)
-
-  def grouped(x, w):
-    return ragged_dot(x, w.astype(dtype), sizes_E, preferred_element_type=jnp.float32).astype(dtype)
-
-  gate_up = grouped(x_sorted, jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1))  # one matmul, not two
-  y_sorted = jnp.where(valid_sorted, grouped(jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:], w_down_EFD), 0)
+  y_sorted = _swiglu_rows(x_sorted, sizes_E, w_gate_up, w_down, ragged_dot, chunks, expected_rows)
+  y_sorted = jnp.where(valid_sorted, y_sorted, 0)
   return jnp.zeros_like(y_sorted).at[order_A].set(y_sorted)
+
+
+def _swiglu_rows(x_RD, sizes_E, w_gate_up, w_down, ragged_dot, chunks, expected_rows):
+  """Rows sorted by expert → SwiGLU rows, in one pass or in row chunks (`experts_ragged`)."""
+  R = x_RD.shape[0]
+  if chunks <= 1:
+    return _grouped_swiglu(x_RD, sizes_E, w_gate_up, w_down, ragged_dot)
+  if R % chunks:
+    raise ValueError(f"expert row chunks={chunks} must divide the {R} rows (pad the buffer to a multiple).")
+  expect = expected_chunks(R if expected_rows is None else expected_rows, R, chunks)
+  return row_chunked_swiglu(x_RD, sizes_E, w_gate_up, w_down, chunks, expect, ragged_dot)
 
 
 def tokamax_ragged_dot(platform: str, interpret: bool = False):
@@ -271,15 +397,33 @@ def experts_blocked(
 
 
 def experts_local(
-  x_ND, expert_ids_A, w_gate, w_up, w_down, cfg: ModelConfig, slots: int, per_token=1, platform="cpu"
+  x_ND,
+  expert_ids_A,
+  w_gate,
+  w_up,
+  w_down,
+  cfg: ModelConfig,
+  slots: int,
+  per_token=1,
+  platform="cpu",
+  expected_rows: int | None = None,
+  presorted: bool = False,
 ):
   """The configured expert path (`cfg.expert_impl`, resolved) on one device's assignments, reading
-  assignment a's input from x_ND[a // per_token]; returns (y_AD, dropped)."""
+  assignment a's input from x_ND[a // per_token]; returns (y_AD, dropped). `expected_rows`: how many of
+  the A rows a device gets on average (a padded receive buffer's balanced share), for the cost model
+  of `cfg.expert_chunks`; the row chunks apply when they divide A. `presorted`: see `experts_ragged`
+  (the other paths sort anyway)."""
   ws, none = (w_gate, w_up, w_down), jnp.zeros((), jnp.int32)
   impl = cfg.expert_impl
   if impl in ("ragged", "tokamax"):
     kernel = tokamax_ragged_dot(platform) if impl == "tokamax" else jax.lax.ragged_dot
-    return experts_ragged(x_ND, expert_ids_A, *ws, cfg.dtype, per_token, kernel), none
+    A = expert_ids_A.shape[0]
+    chunks = cfg.expert_chunks if cfg.expert_chunks > 1 and A % cfg.expert_chunks == 0 else 1
+    y_AD = experts_ragged(
+      x_ND, expert_ids_A, *ws, cfg.dtype, per_token, kernel, chunks, expected_rows, presorted
+    )
+    return y_AD, none
   if impl == "dense":
     return experts_dense(x_ND, expert_ids_A, *ws, cfg.dtype, per_token), none
   if impl == "blocked":

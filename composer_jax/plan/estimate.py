@@ -10,7 +10,10 @@ The correction here reads the optimized HLO text (`compiled.as_text()`), where e
 1. Trip counts: `known_trip_count` in a `while`'s backend_config when XLA wrote one; otherwise the loop
    JAX emits for `scan`/`fori_loop` — a condition `compare(get-tuple-element(p, i), constant(N)),
    direction=LT` with element `i` of the initial tuple a constant `K` (through copies) and a step of 1 —
-   gives N − K. A loop matching neither counts once and is listed under `unknown_trip_counts`.
+   gives N − K. A loop of data-dependent length whose `op_name` carries the scope
+   `expert_row_chunks_expect<N>` (the MoE layer's row-chunk loop, `experts.row_chunked_swiglu`: N = the
+   chunks a device's balanced share fills, plus one) counts N times and is listed with `"expected":
+   true`. A loop matching none counts once and is listed under `unknown_trip_counts`.
 2. A per-instruction roofline of our own over the whole module: FLOPs of `dot`, `convolution` (valid
    window taps only: XLA:TPU writes batched matmuls as convolutions over a dilated or padded window),
    `ragged-dot` and grouped-matmul Mosaic kernels (MaxText's gmm/tgmm, XLA:TPU's ragged-dot kernel, from
@@ -54,6 +57,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_EXPECT = re.compile(r"expert_row_chunks_expect(\d+)(?!\d)")
 _COLLECTIVE = re.compile(r"^((?:ragged-)?all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)")
 # Ops that move or relabel data (0 FLOPs); ops whose bytes are counted elsewhere (a called computation).
 _NO_FLOPS = frozenset(
@@ -161,6 +165,11 @@ def _constant(table: dict[str, hlo.Instr], name: str) -> int | None:
   if ins is None or ins.opcode != "constant" or not re.fullmatch(r"\s*-?\d+\s*", ins.args):
     return None
   return int(ins.args)
+
+
+def _op_name(ins: hlo.Instr) -> str:
+  found = _OP_NAME.search(ins.attrs)
+  return found.group(1) if found else ""
 
 
 def trip_count(ins: hlo.Instr, comps: dict[str, list[hlo.Instr]], table: dict[str, hlo.Instr]) -> int | None:
@@ -292,8 +301,10 @@ class _Walk:
       self.add(ins, weight)
       called = dict(_CALLS.findall(ins.attrs))
       if ins.opcode == "while":
-        trip = trip_count(ins, self.comps, self.table)
-        self.loops.append({"while": ins.name, "trip_count": trip, "weight": weight})
+        trip, expected = trip_count(ins, self.comps, self.table), False
+        if trip is None and (marked := _EXPECT.search(_op_name(ins))):
+          trip, expected = int(marked.group(1)), True
+        self.loops.append({"while": ins.name, "trip_count": trip, "weight": weight, "expected": expected})
         for key in ("body", "condition"):
           self.visit(called[key], weight * (trip if trip is not None else 1))
       elif ins.opcode != "fusion" and "calls" in called:  # call, async-start, custom-call with a body

@@ -112,6 +112,8 @@ def moe_rows(cfg: ModelConfig, layout: Layout, tok: Tokens) -> dict[str, int]:
     recv = p * capacity(a, p, cfg.capacity_factor)
   elif ep:
     recv = max(1, min(p * a, math.ceil(a * cfg.capacity_factor)))
+    per = row_chunks(cfg, recv, round_up=True)  # expert_parallel pads the buffer to whole chunks
+    recv = -(-recv // per) * per
   else:
     recv = a
   if cfg.expert_impl == "blocked":
@@ -125,6 +127,15 @@ def moe_rows(cfg: ModelConfig, layout: Layout, tok: Tokens) -> dict[str, int]:
   else:
     rows = local_experts * recv
   return {"assignments": a, "received_rows": recv, "expert_rows": rows, "expert_parallel": int(ep)}
+
+
+def row_chunks(cfg: ModelConfig, rows: int, round_up: bool = False) -> int:
+  """The chunks the ragged/tokamax expert path splits its rows into (`model.expert_chunks`): the
+  EP receive buffer pads to a multiple (`round_up`); elsewhere chunks apply when they divide the rows."""
+  n = cfg.expert_chunks
+  if cfg.expert_impl not in ("ragged", "tokamax") or n <= 1 or not (round_up or rows % n == 0):
+    return 1
+  return n
 
 
 def moe_elems(cfg: ModelConfig, layout: Layout, tok: Tokens) -> tuple[int, int, dict[str, int]]:
@@ -142,7 +153,10 @@ def moe_elems(cfg: ModelConfig, layout: Layout, tok: Tokens) -> tuple[int, int, 
     buffers = 2 * recv * d + 2 * a * d
   else:
     buffers = 0
-  act = a * d + buffers + mlp_elems(rows["expert_rows"], d, cfg.moe_mlp_dim)
+  big_r = rows["expert_rows"]
+  # In row chunks the expert MLP saves its sorted input rows only (it recomputes each chunk backward).
+  experts = big_r * d if row_chunks(cfg, big_r) > 1 else mlp_elems(big_r, d, cfg.moe_mlp_dim)
+  act = a * d + buffers + experts
   f32 = 3 * tok.n * cfg.n_experts + a * d
   return act, f32, rows
 
@@ -298,7 +312,11 @@ def remat_phases(
     attention = n * h * s * (4 + 2 * a) + n * s * 4 + n * h * (2 * (c + r) + 2 * c + cfg.qk_head_dim) * a
   rows = moe_rows(cfg, layout, tok)
   big_r, f = rows["expert_rows"], cfg.moe_mlp_dim
-  moe = big_r * (2 * f + d) * 4 + big_r * (d + f) * a + n * 3 * f * cfg.n_shared_experts * a
+  live_r = big_r // row_chunks(cfg, big_r)  # rows whose hidden activations are live at once
+  # fp32 gate·up and output, the hidden in the compute dtype; in row chunks the [R, D] input, output and
+  # input-gradient rows stay whole (compute dtype) and the rest is one chunk's.
+  whole_rows = 3 * big_r * d * a if live_r < big_r else big_r * d * a
+  moe = live_r * (2 * f + d) * 4 + live_r * f * a + whole_rows + n * 3 * f * cfg.n_shared_experts * a
   dense = n * 3 * cfg.dense_mlp_dim * a + n * d * 4
   mlp = max(moe if cfg.n_moe_layers else 0, dense if cfg.first_k_dense else 0)
   grads = sum(p.local_bytes(tpu) for p in params if p.stack)
