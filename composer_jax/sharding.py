@@ -290,27 +290,6 @@ class LookupLayout:
   rows_split: bool  # the token rows are split over `split` too
 
 
-def varying_axes(x: Any) -> set[str]:
-  """The `shard_map` mesh axes a value's type says it varies over (empty outside one)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; other releases call it `vma`
-  return set(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
-def vary_like(x: Any, *like: Any) -> Any:
-  """`x` (a tree) typed as varying over every axis any of `like` varies over. A buffer made inside
-  `shard_map` (e.g. `jnp.zeros`) is typed invariant; when it holds per-device data (the output buffer of
-  `ragged_all_to_all`, a loop carry) that type is wrong, and the backward pass would sum its cotangent
-  over those axes (`psum` as the transpose of the implicit `pvary`)."""
-  axes = set().union(*(varying_axes(a) for a in like))
-
-  def cast(a):
-    missing = tuple(sorted(axes - varying_axes(a)))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-  return jax.tree.map(cast, x)
-
-
 def lookup_layout(table_shape: Sequence[int], tokens_shape: Sequence[int], meshes: Meshes) -> LookupLayout:
   table = _spec(("vocab", "embed"), DENSE_PARAM_RULES, table_shape, meshes.dense)
   tokens = batch_sharding(tokens_shape, meshes).spec

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax import sharding
+from composer_jax.model import varying
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import (
   W_DOWN_AXES,
@@ -188,11 +189,11 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
 
   x_sorted = x_TD[order_A // K]
   ids_sorted = (ids_A % local_experts)[order_A]
-  # The output buffers hold other devices' rows: typed varying (`sharding.vary_like`), or the backward
+  # The output buffers hold other devices' rows: typed varying (`varying.vary_like`), or the backward
   # pass would sum the received rows' gradient over the expert axes.
   recv_x = exchange(
     x_sorted,
-    sharding.vary_like(jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), x_sorted, *weights),
+    varying.vary_like(jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), x_sorted, *weights),
     starts_P,
     sent_SP[me],
     out_offsets_SP[me],
@@ -200,7 +201,7 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
   )
   recv_ids = exchange(
     ids_sorted,
-    sharding.vary_like(jnp.full((rows,), local_experts, ids_sorted.dtype), ids_sorted),
+    varying.vary_like(jnp.full((rows,), local_experts, ids_sorted.dtype), ids_sorted),
     starts_P,
     sent_SP[me],
     out_offsets_SP[me],
@@ -216,7 +217,7 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
   starts_SP = jax.lax.all_gather(starts_P, ep.experts)
   y_sorted = exchange(
     y_recv,
-    sharding.vary_like(jnp.zeros_like(x_sorted), x_sorted, y_recv),
+    varying.vary_like(jnp.zeros_like(x_sorted), x_sorted, y_recv),
     out_offsets_SP[:, me],
     sent_SP[:, me],
     starts_SP[:, me],

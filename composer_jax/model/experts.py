@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from composer_jax import sharding
-from composer_jax.model import tokamax_private
+from composer_jax.model import tokamax_private, varying
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import project
 
@@ -130,7 +129,7 @@ def _row_chunks_forward(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks, expect
 def _dynamic_fori(n, body, init, *varying_like):
   """fori_loop(0, n, body, init) for a traced n: a `while` of data-dependent length. Inside `shard_map`
   the carry must vary over the mesh axes its updates vary over (those of `varying_like`)."""
-  init = sharding.vary_like((jnp.int32(0), init), *varying_like)
+  init = varying.vary_like((jnp.int32(0), init), *varying_like)
   _, out = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), init)
   return out
 
