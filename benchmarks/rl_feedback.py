@@ -132,6 +132,7 @@ def reference(config, workdir) -> dict:
   scores, problems = rollout.evaluate_problems(
     params, config.model, rcfg, chat.tokenizer(config.data.tokenizer), meshes=meshes, n=rcfg.eval_problems
   )
+  source = source.replace(str(pathlib.Path(workdir)) + os.sep, "")  # no machine path in the results
   return {"step": 0, **scores, "problems": problems, "source": source, "seconds": time.perf_counter() - t0}
 
 
