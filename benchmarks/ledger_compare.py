@@ -18,6 +18,10 @@ distill (E). Every evaluation is in the silent environment on one fixed problem 
 - Steps-to-threshold ratio M3(B) / M3(D) over seeds (ratio of means), paired bootstrap 95 % CI.
 - Guardrails at the last evaluation: accuracy on non-risky pairs, invalid-call rate, the sampled
   tokens' mean −log π (an entropy estimate).
+- Per arm, M1 and M2 at the last evaluation with 95 % bootstrap CIs over seeds × problems
+  (`stats.two_level_ci` on each evaluation's per-problem outcomes, `problems`); the same for the
+  reference policy (each seed's SFT checkpoint with the rule in its prompt, never trained), which is also
+  a column of the per-seed table.
 """
 
 from __future__ import annotations
@@ -109,12 +113,52 @@ def compare(table: dict, short: dict | None = None) -> dict:
   return out
 
 
+MEASURES = {"m1": M1, "m2": "all_correct"}  # per-problem [sum, count]: M2 is all_correct's [0|1, 1]
+
+
+def problem_matrix(records: list[dict], name: str) -> tuple[list[list[float]], list[list[float]]]:
+  """([seeds][problems] sums, counts) of measure `name` from evaluation records (one per seed, each with
+  its `problems`), on the problems every record has, in the first record's order."""
+  by_seed = [dict(zip(r["problems"]["seed"], r["problems"][name], strict=True)) for r in records]
+  common = [p for p in records[0]["problems"]["seed"] if all(p in b for b in by_seed)]
+  return [[b[p][0] for p in common] for b in by_seed], [[b[p][1] for p in common] for b in by_seed]
+
+
+def last_eval_cis(runs: dict, reference: dict | None = None, n_boot: int = 20000) -> dict:
+  """{arm (and "reference"): {step, seeds, problems, m1: [est, lo, hi], m2: [...]}} at each run's last
+  evaluation (the reference's only one), over the seeds whose records keep per-problem outcomes: the
+  mean over seeds of each seed's rate, its CI resampling seeds and problems (`stats.two_level_ci`)."""
+  groups = {
+    arm: {s: r["evals"][-1] for s, r in by_seed.items() if r.get("evals")} for arm, by_seed in runs.items()
+  }
+  if reference:
+    groups["reference"] = dict(reference)
+  out = {}
+  for arm, recs in groups.items():
+    seeds = sorted((s for s, e in recs.items() if "problems" in e), key=int)
+    if not seeds:
+      continue
+    records = [recs[s] for s in seeds]
+    row = {"step": records[0]["step"], "seeds": seeds}
+    for key, name in MEASURES.items():
+      if all(name in e["problems"] for e in records):
+        num, den = problem_matrix(records, name)
+        row[key] = list(stats.two_level_ci(num, den, n_boot=n_boot))
+        row["problems"] = len(num[0])
+    out[arm] = row
+  return out
+
+
+def _ci_text(c: list[float]) -> str:
+  return f"{c[0]:.3f} [{c[1]:.3f}, {c[2]:.3f}]"
+
+
 def report(result: dict) -> list[str]:
   """The comparison as summary lines: each test's numbers and whether it reaches ALPHA."""
   lines = []
   pr = result.get("primary")
   if pr is None:
-    return ["- primary (D vs B): no paired seeds yet"]
+    return ["- primary (D vs B): no paired seeds yet"] + last_eval_lines(result.get("last_eval", {}))
   ok = pr["p"] <= ALPHA
   lines.append(
     f"- primary, M1 AUC of B − D over {len(pr['seeds'])} seeds: mean {pr['mean']:+.3f}, one-sided exact "
@@ -132,22 +176,43 @@ def report(result: dict) -> list[str]:
       f"- steps to M1 <= {THRESHOLD}, B / D: {r['ratio']:.2f} [95 % CI {r['lo']:.2f}, {r['hi']:.2f}] "
       f"(censored at the horizon: B {r['censored_b']}, D {r['censored_d']} of {len(r['m3_b'])} seeds)"
     )
+  return lines + last_eval_lines(result.get("last_eval", {}))
+
+
+def last_eval_lines(cis: dict) -> list[str]:
+  """`last_eval_cis` as lines: per arm, M1 and M2 with their CIs over seeds × problems."""
+  lines = []
+  for arm, c in cis.items():
+    name = "reference (SFT, rule in prompt)" if arm == "reference" else f"{ARMS.get(arm, '?')} {arm}"
+    parts = [f"{k.upper()} {_ci_text(c[k])}" for k in MEASURES if k in c]
+    lines.append(
+      f"- {name}, step {c['step']}, {len(c['seeds'])} seeds × {c.get('problems', 0)} problems: "
+      f"{', '.join(parts)} (95 % CI, seeds × problems)"
+    )
   return lines
 
 
-def markdown(table: dict) -> str:
-  """Per seed and arm: M1 AUC / M1 final / M2 final / M3 (steps, `>` when censored)."""
+def markdown(table: dict, reference: dict | None = None) -> str:
+  """Per seed and arm: M1 AUC / M1 final / M2 final / M3 (steps, `>` when censored); with `reference`
+  ({seed: its evaluation record}) a last column: the reference policy's M1 / M2."""
   arms = [a for a in ARMS if a in table]
-  seeds = sorted({s for a in arms for s in table[a]}, key=int)
-  head = "| seed | " + " | ".join(f"{ARMS[a]} {a}: M1 AUC / M1 / M2 / M3" for a in arms) + " |"
-  rows = [head, "|---" * (len(arms) + 1) + "|"]
+  reference = reference or {}
+  seeds = sorted({s for a in arms for s in table[a]} | set(reference), key=int)
+  head = "| seed | " + " | ".join(f"{ARMS[a]} {a}: M1 AUC / M1 / M2 / M3" for a in arms)
+  head += " | reference (SFT, rule in prompt): M1 / M2 |" if reference else " |"
+  rows = [head, "|---" * (len(arms) + 1 + bool(reference)) + "|"]
 
   def cell(r):
     m3 = f"{'>' if r['censored'] else ''}{r['m3']:.0f}"
     return f"{r['m1_auc']:.3f} / {r['m1_final']:.3f} / {r['m2_final']:.3f} / {m3}"
 
+  def ref_cell(e):
+    return f"{e[M1]:.3f} / {e['pass_rate']:.3f}" if e is not None and M1 in e else "–"
+
   for s in seeds:
-    rows.append(f"| {s} | " + " | ".join(cell(table[a][s]) if s in table[a] else "–" for a in arms) + " |")
+    cells = [cell(table[a][s]) if s in table[a] else "–" for a in arms]
+    cells += [ref_cell(reference.get(s))] if reference else []
+    rows.append(f"| {s} | " + " | ".join(cells) + " |")
   return "\n".join(rows)
 
 
@@ -164,12 +229,19 @@ def ledger_rl(rcfg: configs.RLConfig, k: int, tokenizer: str) -> configs.RLConfi
   )  # fmt: skip
 
 
-def summary(runs: dict, short_results: str | None = None) -> tuple[list[str], dict]:
-  """The comparison of `runs` (with the interaction when the short-K results file is given) as summary
-  lines, and its numbers."""
+def summary(
+  runs: dict, short_results: str | None = None, reference: dict | None = None
+) -> tuple[list[str], dict]:
+  """The comparison of `runs` (with the interaction when the short-K results file is given, and the
+  reference policy's evaluations {seed: record} when given) as summary lines, and its numbers."""
   table = per_seed(runs)
   short = None
   if short_results:
     short = per_seed(json.loads(pathlib.Path(short_results).read_text())["runs"])
   result = compare(table, short)
-  return ["", markdown(table), "", *report(result)], result
+  result["last_eval"] = last_eval_cis(runs, reference)
+  if reference:
+    result["reference"] = {
+      s: {k: e.get(k) for k in (M1, "pass_rate", "safe_accuracy")} for s, e in reference.items()
+    }
+  return ["", markdown(table, reference), "", *report(result)], result

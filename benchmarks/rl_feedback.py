@@ -22,6 +22,11 @@ otherwise every seed starts from one checkpoint. `--ledger_k=K` selects the ledg
 the turn and cache budget of K (`ledger.budget`); its SFT stage is run at `--sft_k`'s budget whatever K,
 so runs at several K share each seed's SFT checkpoint. The ledger's verdict is `ledger_compare`'s.
 
+For the ledger, each seed's reference policy (its SFT checkpoint, never trained, with the rule in the
+prompt: `rl.ledger.rule_in_prompt`) is scored on the same fixed set first (`--no_reference` skips it), and
+every evaluation keeps each problem's outcome (`problems`: seed, reward, each measure's [sum, count]) for
+`ledger_compare`'s bootstrap over seeds × problems.
+
 Primary metrics per seed: the fixed-set reward after the last step and the area under the fixed-set
 reward curve (`rl.stats.curve_mean`: trapezoid ÷ step range). The comparison passes when the one-sided
 exact Wilcoxon signed-rank test of feedback − alone gives p ≤ 0.05 on both, the mean improvement is ≥ 0.10
@@ -104,6 +109,31 @@ def run_arm(config, workdir, rcfg, name):
   """One arm through the rl stage's own `run_arm` (checkpoints under <workdir>/<name>)."""
   summary = rl_stage.run_arm(config, workdir, rcfg, name)
   return {"history": summary["history"], "evals": summary["evals"], "seconds": summary["seconds"]}
+
+
+def reference_config(rcfg: configs.RLConfig) -> configs.RLConfig:
+  """The reference policy's settings (issue 32): the arms' fixed set in the silent env, the rule at the
+  end of every prompt; nothing else changes."""
+  return dataclasses.replace(
+    rcfg, ledger=dataclasses.replace(rcfg.ledger, rule_in_prompt=True, informative=False)
+  )
+
+
+def reference(config, workdir) -> dict:
+  """The reference, not trained: the seed's SFT checkpoint evaluated on the arms' fixed set (same problems,
+  sampling key and temperature) with the rule in its prompt. An evaluation record like the arms' (step 0),
+  with its per-problem outcomes."""
+  from composer_jax.rl import rollout
+
+  t0 = time.perf_counter()
+  rcfg = reference_config(config.rl)
+  meshes = sharding.make_meshes(config)
+  params, source = weights.starting_params(config, workdir, "sft", meshes)
+  scores, problems = rollout.evaluate_problems(
+    params, config.model, rcfg, chat.tokenizer(config.data.tokenizer), meshes=meshes, n=rcfg.eval_problems
+  )
+  source = source.replace(str(pathlib.Path(workdir)) + os.sep, "")  # no machine path in the results
+  return {"step": 0, **scores, "problems": problems, "source": source, "seconds": time.perf_counter() - t0}
 
 
 def coding_check(config, workdir):
@@ -269,13 +299,14 @@ def plot(runs: dict, plots: pathlib.Path, tag: str, curves=_CURVES) -> list[str]
 
 
 _EVAL_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate")
-_EVAL_KEYS += (ledger_compare.M1, "safe_accuracy", "attempted", "all_correct", "sampled_nll")
+_EVAL_KEYS += (ledger_compare.M1, "safe_accuracy", "attempted", "all_correct", "sampled_nll", "problems")
 _STEP_KEYS = ("step", "reward", "pass_rate", "invalid_call_rate", "feedback_turns_per_rollout", "entropy")
 _STEP_KEYS += (ledger_compare.M1,)
 
 
 def compact(runs: dict) -> dict:
-  """The curves the notebook and RESULTS read: fixed-set evals and a few per-step training numbers."""
+  """The curves the notebook and RESULTS read: fixed-set evals (with each problem's outcome, for the
+  bootstrap over problems) and a few per-step training numbers."""
   return {
     arm: {
       seed: {
@@ -311,6 +342,9 @@ def parse():
   ap.add_argument("--flag_penalty", type=float, default=1.0, help="arm penalty's extra negative advantage")
   ap.add_argument("--sft_per_seed", action="store_true", help="each seed its own pretrain + SFT run")
   ap.add_argument("--short_results", default=None, help="ledger: the short-K results JSON (interaction)")
+  ap.add_argument(
+    "--no_reference", action="store_true", help="ledger: skip the reference policy (SFT, rule in prompt)"
+  )
   return ap.parse_args()
 
 
@@ -375,13 +409,28 @@ def main():
     return
   report = [f"## {', '.join(LABEL[a] for a in args.arms.split(','))} ({config.rl.env} env){args.tag}", ""]
   path = pathlib.Path(workdir, f"rl_feedback{args.tag}.json")
-  runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+  saved = json.loads(path.read_text()) if path.exists() else {}
+  runs, references = saved.get("runs", {}), saved.get("reference", {})
   gates = {}
+
+  def save():  # after every run: a run cut short keeps what finished
+    body = {"runs": runs, "reference": references, "rl": configs.plain(config.rl)}
+    path.write_text(json.dumps(body, indent=1, default=str))
+
   # Seed-major: each seed's arms finish together, so a run cut short still leaves complete pairs.
   for seed in args.seeds.split(","):
     config_s, workdir_s = prepare(config, args, workdir, seed)
     if pathlib.Path(workdir_s, "gate.json").exists():
       gates[seed] = json.loads(pathlib.Path(workdir_s, "gate.json").read_text())
+    if config_s.rl.env == "ledger" and not args.no_reference and seed not in references:
+      ref = references[seed] = reference(config_s, workdir_s)
+      m1 = ref.get(ledger_compare.M1, float("nan"))
+      print(
+        f"== reference (SFT, rule in prompt), seed {seed}: M1 {m1:.3f}, all correct {ref['pass_rate']:.3f}, "
+        f"{ref['seconds']:.0f} s",
+        flush=True,
+      )
+      save()
     for arm in args.arms.split(","):
       if len(runs.get(arm, {}).get(seed, {}).get("history", [])) >= args.steps:
         continue  # finished before
@@ -394,7 +443,7 @@ def main():
         f"{ev[0]['invalid_call_rate']:.3f} -> {ev[-1]['invalid_call_rate']:.3f}, {r['seconds']:.0f} s",
         flush=True,
       )
-      path.write_text(json.dumps({"runs": runs, "rl": configs.plain(config.rl)}, indent=1, default=str))
+      save()
   plots = pathlib.Path(args.plots)
   plots.mkdir(parents=True, exist_ok=True)
   r = config.rl
@@ -410,7 +459,7 @@ def main():
   ]
   comparison = None
   if r.env == "ledger":
-    lines, comparison = ledger_compare.summary(runs, args.short_results)
+    lines, comparison = ledger_compare.summary(runs, args.short_results, references)
     report += lines + ["- plots: " + ", ".join(plot(runs, plots, args.tag, _CURVES + _LEDGER_CURVES))]
   else:
     lines, ok = verdict(per_seed(runs))
@@ -424,6 +473,7 @@ def main():
     out = pathlib.Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     body = {"runs": compact(runs), "rl": configs.plain(config.rl), "sft": configs.plain(config.sft)}
+    body |= {"reference": references} if references else {}
     body |= {"sft_per_seed": args.sft_per_seed} | ({"comparison": comparison} if comparison else {})
     (out / f"rl_feedback{args.tag}.json").write_text(json.dumps(body, indent=None, default=str) + "\n")
     if gates:

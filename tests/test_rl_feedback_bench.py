@@ -45,3 +45,14 @@ def test_verdict_passes_and_each_criterion_can_fail(bench):
   assert not ok and any("null" in x and "FAIL" in x for x in lines), lines
   lines, ok = bench.verdict(bench.per_seed(_runs(n=3)))  # 3 seeds: p = 1/8 > 0.05 even if all win
   assert not ok, lines
+
+
+def test_compact_keeps_each_problems_outcome(bench):
+  problems = {"seed": [3, 4], "risky_first_fadd": [[1, 2], [0, 1]], "all_correct": [[0, 1], [1, 1]]}
+  ev = {"step": 5, "reward": 0.5, "risky_first_fadd": 1 / 3, "problems": problems, "tokens_per_rollout": 40.0}
+  out = bench.compact(
+    {"informative": {"100": {"evals": [ev], "history": [{"step": 1, "reward": 0.4, "x": 1}]}}}
+  )
+  kept = out["informative"]["100"]
+  assert kept["evals"] == [{k: ev[k] for k in ("step", "reward", "risky_first_fadd", "problems")}]
+  assert kept["history"] == [{"step": 1, "reward": 0.4}]

@@ -41,6 +41,86 @@ def test_valid_next_sets():
   assert gate.valid_next([ord("a")], ARITY) == []  # prose before the call: not a direct call
 
 
+def _ledger_flagged(call):
+  """A ledger rollout whose first turn is `call` on the first pair (then add for the rest, done), as the
+  gate's `Flagged` of that turn with its hints."""
+  from test_rl_envs import scripted
+
+  from composer_jax.rl import envs, feedback
+  from composer_jax.rl.envs import ledger
+
+  cfg = ledger.LedgerConfig(k=2, max_turns=5)
+  env = ledger.LedgerEnv(cfg)
+  for seed in range(1000):
+    env.reset(seed)
+    if ledger.is_risky(*env.pairs[0]):
+      break
+  (a, b), (c, d) = env.pairs
+  calls = [(call, str(a), str(b)), ("add", str(c), str(d)), ("done",)]
+  traj = envs.rollout(env, seed, scripted(calls), max_turns=cfg.max_turns)
+  found = feedback.detect(traj, env.info())
+  k = found[0][0] if found else 1
+  hints = {"student": []} | {
+    v: feedback.hint_ids(feedback.hint_at(traj, k, "wrapping_call", env.info(), variant=v)) for v in ("task",)
+  }
+  return gate.Flagged(traj, env, k, "wrapping_call", hints), found, (a, b)
+
+
+def test_ledger_oracle_judges_a_wrapping_fadd_at_its_tool_name():
+  """A wrapping `fadd a b` is well-formed, so the syntactic oracle finds no decision token in it; the
+  ledger's oracle (the right calls on the turn's operands: `add a b`, and `fadd a b` only when a+b < 100)
+  puts it at the `f`, where `add` was right."""
+  from composer_jax.rl.envs import ledger
+
+  arity = dict(ledger.INFO["arity"])
+  risky = chat.assistant_ids(call=("fadd", "45", "67"))
+  assert gate.decision_index(risky, arity) is None  # the syntactic oracle cannot see it
+  env = ledger.LedgerEnv()
+  oracle = gate.turn_oracle(env, risky)
+  assert oracle == gate.Calls(("add 45 67",))
+  assert gate.decision_index(risky, oracle) == 1 and risky[1] == ord("f")
+  assert gate.valid_next(risky[:1], oracle) == [ord("a")]  # only add continues a right call
+  for ok in (("fadd", "45", "23"), ("add", "45", "67"), ("add", "45", "23")):
+    ids = chat.assistant_ids(call=ok)
+    assert gate.decision_index(ids, gate.turn_oracle(env, ids)) is None, ok
+  safe = chat.assistant_ids(call=("fadd", "45", "23"))
+  assert sorted(gate.valid_next(safe[:1], gate.turn_oracle(env, safe))) == [ord("a"), ord("f")]
+  done = chat.assistant_ids(call=("done",))  # not an add/fadd: the syntactic oracle judges it
+  assert gate.turn_oracle(env, done) == gate.Syntax(ledger.INFO["arity"])
+  wrong_name = chat.assistant_ids(call=("sum", "3", "4"))
+  assert gate.decision_index(wrong_name, gate.turn_oracle(env, wrong_name)) == 1
+
+
+def test_g4_scores_the_ledgers_flagged_turn_at_the_tool_choice(monkeypatch):
+  """`decision_stats` on a flagged ledger turn (a wrapping fadd): with stand-in log-probabilities (the
+  student uniform, the hinted teacher's `f` 100x less likely than any other byte), the decision is the
+  `f`: p(mistake) 1/V vs the teacher's, valid mass = p("a") under each. Before the ledger's oracle the
+  turn had no decision token and G4 saw no ledger turn at all."""
+  flagged, found, (a, b) = _ledger_flagged("fadd")
+  assert found and found[0] == (flagged.k, "wrapping_call")
+  V = TOK.vocab_size
+
+  def fake_logp_rows(params, cfg, rows, meshes=None, chunk=64):
+    out = []
+    for r in rows:
+      logits = np.zeros((len(r), V))
+      if len(r) > len(flagged.traj.tokens[: flagged.traj.spans[flagged.k][1]]):  # the hinted row
+        logits[:, ord("f")] = -np.log(100.0)
+      out.append(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))
+    return out
+
+  monkeypatch.setattr(gate, "_logp_rows", fake_logp_rows)
+  stats_ = gate.decision_stats(None, None, [flagged])
+  assert len(stats_) == 1, "the flagged ledger turn has a decision token"
+  d = stats_[0]
+  z_teacher = (V - 1) + 1 / 100
+  assert d["p_student"] == pytest.approx(1 / V) and d["p_teacher"] == pytest.approx(0.01 / z_teacher)
+  assert d["valid_student"] == pytest.approx(1 / V) and d["valid_teacher"] == pytest.approx(1 / z_teacher)
+  assert d["prefix_gap"] == pytest.approx(1 / z_teacher - 1 / V)  # before the `f`: <|tool_call|>'s mass
+  safe, found_safe, _ = _ledger_flagged("add")
+  assert not found_safe and gate.decision_points([safe]) == []  # add on the risky pair: nothing wrong
+
+
 def test_mean_ci_by_hand():
   x = [0.0, 1.0, 1.0, 0.5]
   m, lo, hi = stats.mean_ci(x)

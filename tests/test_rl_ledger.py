@@ -1,10 +1,14 @@
 """Ledger-K: pairs half risky with a margin, fadd wrapping only on the RL servers, the terminal binary
 reward, the detector and its hints, the informative arm's redo, the M1 bookkeeping, an SFT corpus that
-never teaches the rule unhinted, and a K = 12 episode that fits the engine's cache and the model."""
+never teaches the rule unhinted, a K = 12 episode that fits the engine's cache and the model, each
+fixed-set problem's outcome kept (against the pairs worked out independently), and the reference policy's
+evaluation (the rule in the prompt, the silent env)."""
 
 import collections
 import dataclasses
+import re
 
+import numpy as np
 import pytest
 from test_rl_envs import scripted
 from tiny import load_script
@@ -241,3 +245,94 @@ def test_factory_trains_in_the_arm_env_and_evaluates_silently():
   assert all(e.mode == "silent" and e.cfg.k == 3 for e in fixed)
   demos = factories.demonstrations(rcfg, configs.SFTConfig(demos=20), 0, TOK)
   assert all(TOK.decode(d.tokens).startswith("<|user|>Ledger ") for d in demos)
+
+
+class _ParityPolicy:
+  """A stand-in generation engine (the `Rollout` calls `evaluate` makes): each turn it reads the pair to
+  enter from the context (the last `next a b`, else the prompt's first pair) and calls fadd when a is
+  even, add when odd; `done` once the ledger is full. It records each row's first context (the prompt)."""
+
+  cfg = None
+
+  def __init__(self):
+    self.prompts = []
+
+  def update_weights(self, params):
+    pass
+
+  def reset(self, rows):
+    self.prompts = [None] * rows
+
+  def generate(self, contexts, live, key):
+    from composer_jax.rl.engine import Generated
+
+    out = []
+    for b, (ctx, on) in enumerate(zip(contexts, live, strict=True)):
+      if not on:
+        out.append([])
+        continue
+      text = TOK.decode(ctx)
+      self.prompts[b] = self.prompts[b] or text
+      nxt = list(re.finditer(r"next (\d+) (\d+)", text))
+      if text.rfind(ledger.FULL) > max((m.start() for m in nxt), default=-1):
+        out.append(chat.assistant_ids(call=("done",)))
+        continue
+      a, b_ = nxt[-1].groups() if nxt else re.search(r"Ledger (\d+) (\d+)", text).groups()
+      out.append(chat.assistant_ids(call=("fadd" if int(a) % 2 == 0 else "add", a, b_)))
+    return Generated(out, [[0.0] * len(x) for x in out])
+
+
+def test_evaluation_keeps_each_problems_outcome():
+  """Per-problem outcomes of a fixed-set evaluation against the pairs worked out independently: under
+  the parity policy a risky pair's first call is fadd iff its a is even, and a problem is all right iff
+  no risky pair has an even a (a safe fadd is right). The per-problem sums give the pooled measures."""
+  from composer_jax.rl import rollout
+
+  rcfg = configs.RLConfig(env="ledger", max_turns=7, ledger=configs.LedgerEnvConfig(k=3, informative=True))
+  scores, problems = rollout.evaluate_problems(None, None, rcfg, TOK, n=24, engine=_ParityPolicy())
+  _, seeds = factories.fixed_set(rcfg, 24)
+  assert problems["seed"] == seeds
+  for i, s in enumerate(seeds):
+    probe = _env(3)
+    probe.reset(s)
+    risky = [(a, b) for a, b in probe.pairs if ledger.is_risky(a, b)]
+    wrong = sum(a % 2 == 0 for a, _ in risky)
+    assert problems["risky_first_fadd"][i] == [wrong, len(risky)], s
+    assert problems["all_correct"][i] == [int(wrong == 0), 1] and problems["reward"][i] == int(wrong == 0)
+    assert problems["attempted"][i] == [3, 3] and problems["safe_accuracy"][i] == [3 - len(risky)] * 2
+  for name in ("risky_first_fadd", "all_correct", "safe_accuracy"):
+    num, den = (sum(x[j] for x in problems[name]) for j in (0, 1))
+    assert scores[name] == pytest.approx(num / den), name
+  assert 0 < scores["risky_first_fadd"] < 1 and scores["pass_rate"] == pytest.approx(
+    np.mean(problems["reward"])
+  )
+
+
+def test_problem_log_joins_outcomes_to_the_evaluation_records():
+  from composer_jax.rl import rollout
+
+  calls = iter([({"reward": 0.5}, {"seed": [1, 2], "reward": [0, 1]}), ({"reward": 1.0}, {"seed": [1, 2]})])
+  log = rollout.ProblemLog(lambda params: next(calls))
+  assert log("p0") == {"reward": 0.5} and log("p1") == {"reward": 1.0}  # the loop sees scalars only
+  evals = [{"step": 0, "reward": 0.5}, {"step": 5, "reward": 1.0}]
+  joined = log.attach(evals)
+  assert joined[0]["problems"] == {"seed": [1, 2], "reward": [0, 1]} and joined[1]["step"] == 5
+  assert log.attach(evals[:1]) == evals[:1]  # counts differ (another process's records): left as they are
+
+
+def test_reference_policy_is_the_sft_model_told_the_rule_in_the_silent_env():
+  """The reference (issue 32): the arm's settings with only the rule added to the prompt, scored in the
+  silent env, so its fixed set is the arms' set with the rule at the end of each prompt."""
+  from composer_jax.rl import rollout
+
+  bench = load_script("benchmarks/rl_feedback.py")
+  rcfg = configs.RLConfig(env="ledger", max_turns=7, ledger=configs.LedgerEnvConfig(k=3, informative=True))
+  ref = bench.reference_config(rcfg)
+  assert ref.ledger == dataclasses.replace(rcfg.ledger, rule_in_prompt=True, informative=False)
+  assert dataclasses.replace(ref, ledger=rcfg.ledger) == rcfg
+  policy = _ParityPolicy()
+  rollout.evaluate_problems(None, None, ref, TOK, n=4, engine=policy)
+  assert all(p.split("<|end_turn|>")[0].endswith(RULE) for p in policy.prompts)
+  policy = _ParityPolicy()
+  rollout.evaluate_problems(None, None, rcfg, TOK, n=4, engine=policy)
+  assert not any(RULE in p for p in policy.prompts)

@@ -112,3 +112,56 @@ def test_arms_change_only_their_own_settings():
     assert got == default | w and r.seed == 4, arm
   with pytest.raises(ValueError, match="ledger"):
     bench.arm_config(configs.RLConfig(env="stale"), "informative", 0)
+
+
+def _with_problems(m1_pairs, correct, order=None):
+  """A run whose last evaluation keeps per-problem outcomes (problem seeds 11, 12, ...; `order` permutes
+  how they are stored, as another process might)."""
+  seeds = [11 + i for i in range(len(m1_pairs))]
+  order = order or list(range(len(seeds)))
+  problems = {
+    "seed": [seeds[i] for i in order],
+    "risky_first_fadd": [list(m1_pairs[i]) for i in order],
+    "all_correct": [[correct[i], 1] for i in order],
+  }
+  m1 = sum(n for n, _ in m1_pairs) / sum(d for _, d in m1_pairs)
+  last = {"step": 30, M1: m1, "pass_rate": float(np.mean(correct)), "invalid_call_rate": 0.0}
+  first = {"step": 0, M1: 0.5, "pass_rate": 0.0, "invalid_call_rate": 0.0}
+  return {"evals": [first, last | {"problems": problems}], "history": []}
+
+
+M1 = "risky_first_fadd"
+
+
+def test_last_evaluation_cis_over_seeds_and_problems(cmp):
+  runs = {
+    "informative": {
+      "0": _with_problems([(1, 2), (0, 1), (1, 1), (0, 0)], [0, 1, 0, 1]),
+      "1": _with_problems([(0, 2), (0, 1), (1, 1), (0, 0)], [1, 1, 0, 1], order=[3, 1, 0, 2]),
+      "2": _with_problems([(2, 2), (1, 1), (0, 1), (0, 0)], [0, 0, 1, 1]),
+    },
+    "feedback": {"0": _run([0.5, 0.3, 0.2, 0.1])},  # no per-problem outcomes: left out
+  }
+  reference = {"0": _with_problems([(0, 2), (0, 1), (0, 1), (0, 0)], [1, 1, 1, 1])["evals"][-1]}
+  cis = cmp.last_eval_cis(runs, reference, n_boot=4000)
+  assert set(cis) == {"informative", "reference"}
+  b = cis["informative"]
+  # by hand: each seed's Σ fadd-first / Σ risky pairs over the 4 problems, then the mean over seeds
+  assert b["m1"][0] == pytest.approx(np.mean([2 / 4, 1 / 4, 3 / 4]))
+  assert b["m2"][0] == pytest.approx(np.mean([2 / 4, 3 / 4, 2 / 4]))
+  assert b["m1"][1] < b["m1"][0] < b["m1"][2] and (b["problems"], b["seeds"], b["step"]) == (
+    4,
+    ["0", "1", "2"],
+    30,
+  )
+  # the stored order does not matter: outcomes are matched by problem seed
+  same = dict(runs["informative"])
+  same["1"] = _with_problems([(0, 2), (0, 1), (1, 1), (0, 0)], [1, 1, 0, 1])
+  assert cmp.last_eval_cis({"informative": same}, n_boot=4000)["informative"] == b
+  assert cis["reference"]["m1"] == [0.0, 0.0, 0.0] and cis["reference"]["m2"] == [1.0, 1.0, 1.0]
+  lines, result = cmp.summary(runs, reference=reference)
+  text = "\n".join(lines)
+  assert "reference (SFT, rule in prompt): M1 / M2 |" in text and "| 0.000 / 1.000 |" in text
+  assert any(x.startswith("- B informative, step 30, 3 seeds × 4 problems: M1 0.500 [") for x in lines), lines
+  assert any(x.startswith("- reference (SFT, rule in prompt), step 30") for x in lines)
+  assert result["reference"]["0"][M1] == 0.0

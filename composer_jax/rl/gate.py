@@ -17,6 +17,8 @@ environment accepts its call (`env.check`). Gates (thresholds in `configs.GateCo
   G4  at the decision token (where the sampled call leaves every valid call) the teacher gives the
       mistake less probability on ≥ g4 of the turns, and on the valid prefix before it the teacher's
       valid mass is not lower (mean difference ≥ −tolerance)    the signal points at the right token
+      ("valid": syntactically, or by the calls the env names right for the turn, `turn_oracle`: the
+      ledger's wrapping `fadd a b` leaves them at its `f`, where `add a b` was the right call)
   G5  flagged rollouts' reward ≤ unflagged − g5, g5_lo ≤ flagged share ≤ g5_hi
                                                                  the mistake costs, and is not rare nor all
 """
@@ -72,16 +74,52 @@ def call_complete(text: str, arity: dict[str, int]) -> bool:
   )
 
 
-def valid_next(prefix: Sequence[int], arity: dict[str, int], tok: Tokenizer = TOK) -> list[int]:
-  """Token ids that keep a turn's sampled prefix a prefix of an accepted call (a direct call: no prose)."""
+@dataclasses.dataclass(frozen=True)
+class Syntax:
+  """The syntactic oracle: any call of a known tool with its number of integer arguments is accepted."""
+
+  arity: tuple[tuple[str, int], ...]
+
+  def prefix_ok(self, text: str) -> bool:
+    return call_prefix_ok(text, dict(self.arity))
+
+  def complete(self, text: str) -> bool:
+    return call_complete(text, dict(self.arity))
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+  """An oracle that knows which calls are right at this turn (the environment says, e.g. the ledger: on
+  the turn's operands, `add` and a `fadd` that does not wrap), so a call can be wrong by its meaning."""
+
+  accepted: tuple[str, ...]
+
+  def prefix_ok(self, text: str) -> bool:
+    return any(c.startswith(text) for c in self.accepted)
+
+  def complete(self, text: str) -> bool:
+    return text in self.accepted
+
+
+Oracle = Syntax | Calls
+
+
+def _oracle(grammar: dict[str, int] | Oracle) -> Oracle:
+  return Syntax(tuple(grammar.items())) if isinstance(grammar, dict) else grammar
+
+
+def valid_next(prefix: Sequence[int], grammar: dict[str, int] | Oracle, tok: Tokenizer = TOK) -> list[int]:
+  """Token ids that keep a turn's sampled prefix a prefix of an accepted call (a direct call: no prose).
+  `grammar`: the tools' arity (the syntactic oracle) or an `Oracle`."""
+  oracle = _oracle(grammar)
   open_id, close_id = tok.special_id("<|tool_call|>"), tok.special_id("<|/tool_call|>")
   if not prefix:
     return [open_id]
   if prefix[0] != open_id or any(tok.is_special(i) for i in prefix[1:]):  # type: ignore[attr-defined]
     return []
   text = tok.decode(list(prefix[1:]))
-  out = [i for i, piece in _pieces(tok) if call_prefix_ok(text + piece, arity)]
-  return out + [close_id] * call_complete(text, arity)
+  out = [i for i, piece in _pieces(tok) if oracle.prefix_ok(text + piece)]
+  return out + [close_id] * oracle.complete(text)
 
 
 @functools.cache
@@ -94,12 +132,25 @@ def _pieces(tok: Tokenizer) -> tuple[tuple[int, str], ...]:
   return tuple((i, s) for i in ids if (s := tok.decode([i])) and "\ufffd" not in s)
 
 
-def decision_index(ids: Sequence[int], arity: dict[str, int], tok: Tokenizer = TOK) -> int | None:
+def decision_index(ids: Sequence[int], grammar: dict[str, int] | Oracle, tok: Tokenizer = TOK) -> int | None:
   """Index of the first token of a sampled turn that leaves every accepted call (None: it never does)."""
+  oracle = _oracle(grammar)
   for i, t in enumerate(ids):
-    if t not in valid_next(ids[:i], arity, tok):
+    if t not in valid_next(ids[:i], oracle, tok):
       return i
   return None
+
+
+def turn_oracle(env: Any, ids: Sequence[int], tok: Tokenizer = TOK) -> Oracle:
+  """The oracle for a sampled turn `ids` of `env`'s episode: the calls the environment names as right for
+  that turn when it can (`env.right_calls(call)`: the ledger, whose wrapping `fadd` is well-formed but
+  wrong), else the syntactic one from the tools' arity."""
+  right = getattr(env, "right_calls", None)
+  if right is not None:
+    calls = right(chat.parse_tool_call(list(ids), tok))
+    if calls is not None:
+      return Calls(tuple(calls))
+  return Syntax(tuple(env.info()["arity"]))
 
 
 # ---- flagged turns and their contexts ------------------------------------------------------------
@@ -206,19 +257,27 @@ def _logp_rows(
   return out
 
 
-def decision_stats(
-  params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagged], tok: Tokenizer = TOK, meshes: Any = None
-) -> list[dict]:
-  """Per flagged turn with a decision token j: p(mistake) under student and teacher, valid mass at j
-  and on the valid prefix (positions < j) under both."""
+def decision_points(flagged: Sequence[Flagged], tok: Tokenizer = TOK) -> list[tuple]:
+  """(flagged turn, positions of its sampled tokens, their ids, decision index, oracle) for each flagged
+  turn that has a decision token under its oracle (`turn_oracle`)."""
   items = []
   for f in flagged:
     s, e = f.traj.spans[f.k]
     pos = [p for p in range(s, e) if f.traj.loss_mask[p]]
     ids = [f.traj.tokens[p] for p in pos]
-    j = decision_index(ids, _arity(f.env), tok)
+    oracle = turn_oracle(f.env, ids, tok)
+    j = decision_index(ids, oracle, tok)
     if j is not None:
-      items.append((f, pos, ids, j))
+      items.append((f, pos, ids, j, oracle))
+  return items
+
+
+def decision_stats(
+  params: Any, cfg: model.ModelConfig, flagged: Sequence[Flagged], tok: Tokenizer = TOK, meshes: Any = None
+) -> list[dict]:
+  """Per flagged turn with a decision token j: p(mistake) under student and teacher, valid mass at j
+  and on the valid prefix (positions < j) under both."""
+  items = decision_points(flagged, tok)
   if not items:
     return []
   student = _logp_rows(
@@ -227,12 +286,12 @@ def decision_stats(
   teacher_rows = [feedback.teacher_inputs(f.traj, f.k, f.hints["task"]).tokens.tolist() for f, *_ in items]
   teacher = _logp_rows(params, cfg, teacher_rows, meshes)
   out = []
-  for (f, pos, ids, j), ls, lt in zip(items, student, teacher, strict=True):
-    sh, arity = len(f.hints["task"]), _arity(f.env)
+  for (f, pos, ids, j, oracle), ls, lt in zip(items, student, teacher, strict=True):
+    sh = len(f.hints["task"])
 
-    def mass(lp, i, shift, pos=pos, ids=ids, arity=arity):
+    def mass(lp, i, shift, pos=pos, ids=ids, oracle=oracle):
       """Probability of the tokens that keep the prefix ids[:i] valid, at the position predicting ids[i]."""
-      return float(np.exp(lp[pos[i] - 1 + shift, valid_next(ids[:i], arity, tok)]).sum())
+      return float(np.exp(lp[pos[i] - 1 + shift, valid_next(ids[:i], oracle, tok)]).sum())
 
     out.append({
       "kind": f.kind,
@@ -243,10 +302,6 @@ def decision_stats(
       "prefix_gap": float(np.mean([mass(lt, i, sh) - mass(ls, i, 0) for i in range(j)])) if j else 0.0,
     })  # fmt: skip
   return out
-
-
-def _arity(env: Any) -> dict[str, int]:
-  return dict(env.info()["arity"])
 
 
 # ---- the report ----------------------------------------------------------------------------------------

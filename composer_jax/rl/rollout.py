@@ -119,6 +119,53 @@ def sampled_nll(trajs: Sequence[chat.Trajectory]) -> float:
   return -float(np.mean(lp)) if lp else 0.0
 
 
+def _num(x: float) -> float | int:
+  """An integral count as an int (the per-problem JSON stays short)."""
+  return int(x) if float(x).is_integer() else float(x)
+
+
+def problem_outcomes(
+  env_list: Sequence[envs.Env], seeds: Sequence[int], trajs: Sequence[chat.Trajectory]
+) -> dict[str, list]:
+  """Per problem of an evaluation, in order: its seed, its reward, and each environment measure as
+  [sum, count] (`env.metrics()`; [0, 0] where an env lacks it). Summed over the problems, a measure's
+  sums and counts give `env_metrics`'s ratio; kept apart, they are the units of a bootstrap over
+  problems (`stats.two_level_ci`)."""
+  per_env = [env.metrics() if hasattr(env, "metrics") else {} for env in env_list]
+  names = sorted({name for m in per_env for name in m})
+  out: dict[str, list] = {"seed": [int(s) for s in seeds], "reward": [_num(t.reward) for t in trajs]}
+  for name in names:
+    out[name] = [[_num(x) for x in m.get(name, (0.0, 0.0))] for m in per_env]
+  return out
+
+
+def evaluate_problems(
+  params: Any,
+  cfg: model.ModelConfig,
+  rcfg: RLConfig,
+  tok: Tokenizer,
+  *,
+  meshes: sharding.Meshes | None = None,
+  n: int = 64,
+  seed: int = 12345,
+  temperature: float | None = None,
+  engine: Rollout | None = None,
+) -> tuple[dict[str, float], dict[str, list]]:
+  """`evaluate`'s statistics and the per-problem outcomes behind them (`problem_outcomes`). `engine`:
+  the generation engine (default: the KV-cache sampler on `meshes`)."""
+  from composer_jax.rl.envs import factories
+
+  rc = dataclasses.replace(rcfg, temperature=rcfg.temperature if temperature is None else temperature)
+  if rc.env not in factories.MAKE_ONE:
+    rc = dataclasses.replace(rc, env="toy")
+  env_list, seeds = factories.fixed_set(rc, n, seed)
+  engine = KVCacheSampler(cfg, rc, tok, meshes) if engine is None else engine
+  engine.update_weights(params)
+  trajs = collect(engine, env_list, seeds, jax.random.key(seed), rc, tok)
+  scores = rollout_stats(trajs) | env_metrics(env_list) | {"sampled_nll": sampled_nll(trajs)}
+  return scores, problem_outcomes(env_list, seeds, trajs)
+
+
 def evaluate(
   params: Any,
   cfg: model.ModelConfig,
@@ -132,13 +179,30 @@ def evaluate(
 ) -> dict[str, float]:
   """Rollout statistics of `n` fixed problems of `rcfg.env` (one rollout each; coding: the toy's) at
   the given temperature, the environments' own measures (`env_metrics`) and `sampled_nll`."""
-  from composer_jax.rl.envs import factories
+  return evaluate_problems(params, cfg, rcfg, tok, meshes=meshes, n=n, seed=seed, temperature=temperature)[0]
 
-  rc = dataclasses.replace(rcfg, temperature=rcfg.temperature if temperature is None else temperature)
-  if rc.env not in factories.MAKE_ONE:
-    rc = dataclasses.replace(rc, env="toy")
-  env_list, seeds = factories.fixed_set(rc, n, seed)
-  engine = KVCacheSampler(cfg, rc, tok, meshes)
-  engine.update_weights(params)
-  trajs = collect(engine, env_list, seeds, jax.random.key(seed), rc, tok)
-  return rollout_stats(trajs) | env_metrics(env_list) | {"sampled_nll": sampled_nll(trajs)}
+
+class ProblemLog:
+  """Keeps the per-problem outcomes of each evaluation a run makes, to join them to the run's evaluation
+  records afterwards (the training loop's metrics are scalars: the lists cannot travel with them).
+
+    log = ProblemLog(functools.partial(evaluate_problems, cfg=cfg, ...))
+    fit(..., evaluate=log)                        # called like `evaluate`: params -> scalar metrics
+    evals = log.attach(result_evals)              # each record gains its evaluation's "problems"
+  """
+
+  def __init__(self, evaluate_problems_fn: Any):
+    self._fn = evaluate_problems_fn
+    self.outcomes: list[dict[str, list]] = []
+
+  def __call__(self, params: Any) -> dict[str, float]:
+    scores, problems = self._fn(params)
+    self.outcomes.append(problems)
+    return scores
+
+  def attach(self, evals: list[dict]) -> list[dict]:
+    """`evals` (the records of the evaluations this log saw, in order) with "problems" added to each;
+    unchanged when the counts differ (records from another process, e.g. before a resume)."""
+    if len(evals) != len(self.outcomes):
+      return evals
+    return [e | {"problems": p} for e, p in zip(evals, self.outcomes, strict=True)]

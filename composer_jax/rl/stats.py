@@ -5,6 +5,7 @@
   m, p = sign_flip_greater(diffs)            # exact paired permutation test of the mean, H1: mean > 0
   adjusted = holm([p1, p2, p3])              # Holm's step-down family-wise adjustment
   r, lo, hi = ratio_ci(num, den)             # mean(num) / mean(den), paired bootstrap percentile CI
+  m, lo, hi = two_level_ci(num_SP, den_SP)   # mean over seeds of per-seed ratios, seeds × problems bootstrap
   step, censored = steps_to(steps, values, threshold)   # first evaluation at or below a threshold
   area = curve_mean(steps, values)           # area under an eval curve ÷ its step range
 
@@ -124,3 +125,56 @@ def steps_to(steps: Sequence[float], values: Sequence[float], threshold: float) 
     if v <= threshold:
       return float(x), False
   return float(steps[-1]), True
+
+
+def _seed_means(num_RS: np.ndarray, den_RS: np.ndarray, w_RS: np.ndarray) -> np.ndarray:
+  """Per row r, the w-weighted mean over seeds of num/den, seeds with den 0 left out (nan: none left)."""
+  ok = den_RS > 0
+  ratio = np.where(ok, num_RS / np.where(ok, den_RS, 1.0), 0.0)
+  w = np.where(ok, w_RS, 0.0)
+  total = w.sum(-1)
+  return np.where(total > 0, (w * ratio).sum(-1) / np.where(total > 0, total, 1.0), np.nan)
+
+
+def two_level_replicates(
+  num_SP: Sequence[Sequence[float]], den_SP: Sequence[Sequence[float]], *, n_boot: int = 20000, seed: int = 0
+) -> np.ndarray:
+  """[n_boot] bootstrap replicates of `two_level_ci`'s statistic (nan where no seed has a count).
+
+  Each replicate draws S seeds with replacement and, independently, P problems with replacement (as
+  multiplicities), the same problems for every seed: each seed's ratio is Σ num / Σ den over the drawn
+  problems, and the statistic is the mean of those ratios over the drawn seeds."""
+  num, den = np.asarray(num_SP, np.float64), np.asarray(den_SP, np.float64)
+  if num.shape != den.shape or num.ndim != 2 or num.size == 0:
+    raise ValueError(f"two_level_ci needs [seeds, problems] sums and counts; got {num.shape}, {den.shape}")
+  S, P = num.shape
+  rng = np.random.default_rng(seed)
+  c_RP = rng.multinomial(P, np.full(P, 1.0 / P), size=n_boot).astype(np.float64)  # problem multiplicities
+  w_RS = rng.multinomial(S, np.full(S, 1.0 / S), size=n_boot).astype(np.float64)  # seed multiplicities
+  return _seed_means(c_RP @ num.T, c_RP @ den.T, w_RS)
+
+
+def two_level_ci(
+  num_SP: Sequence[Sequence[float]],
+  den_SP: Sequence[Sequence[float]],
+  *,
+  n_boot: int = 20000,
+  level: float = 0.95,
+  seed: int = 0,
+) -> tuple[float, float, float]:
+  """(estimate, lower, upper) for a rate measured per seed on a shared set of problems: the mean over
+  seeds of each seed's Σ_p num / Σ_p den (a seed with Σ den = 0 left out), with a percentile bootstrap CI
+  that resamples both levels, seeds and problems (`two_level_replicates`).
+
+  Every seed is scored on the same fixed problems, so seeds and problems are crossed, not nested: the
+  problems are drawn once per replicate for all seeds (Owen 2007's "pigeonhole" bootstrap for crossed
+  random effects), which keeps a hard problem hard in every seed; drawing them afresh for each seed would
+  average the problems' variance away over the seeds. With one seed it is the bootstrap over problems."""
+  num, den = np.asarray(num_SP, np.float64), np.asarray(den_SP, np.float64)
+  reps = two_level_replicates(num, den, n_boot=n_boot, seed=seed)
+  est = float(_seed_means(num.sum(1), den.sum(1), np.ones(num.shape[0])))
+  reps = reps[~np.isnan(reps)]
+  if reps.size == 0:
+    return est, float("nan"), float("nan")
+  tail = (1 - level) / 2
+  return est, float(np.quantile(reps, tail)), float(np.quantile(reps, 1 - tail))

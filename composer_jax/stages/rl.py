@@ -63,10 +63,13 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
   )
   make_envs = factories.factory(rcfg, workdir, pathlib.Path(workdir, f"{name}_episodes"))
   # the fixed problem set (rl.schedule.eval_every, rl.eval_problems): step-to-step noise-free progress
+  # (each evaluation's per-problem outcomes are kept beside it: the bootstrap over problems needs them)
   evaluate = None
   if rcfg.env in factories.MAKE_ONE and rcfg.schedule.eval_every > 0:
-    evaluate = functools.partial(
-      rollout.evaluate, cfg=cfg, rcfg=rcfg, tok=tok, meshes=meshes, n=rcfg.eval_problems
+    evaluate = rollout.ProblemLog(
+      functools.partial(
+        rollout.evaluate_problems, cfg=cfg, rcfg=rcfg, tok=tok, meshes=meshes, n=rcfg.eval_problems
+      )
     )
   metrics_dir = pathlib.Path(workdir, f"{name}_metrics")
   notes = {"total_steps": ocfg.total_steps}
@@ -94,6 +97,8 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
     raise Interrupted(f"{name} stopped at step {result.steps} and saved its checkpoint")
   summary = result.summary("reward", "eval_reward")
   summary["evals"] = _unprefixed(result.evals)
+  if evaluate is not None:
+    summary["evals"] = evaluate.attach(summary["evals"])
   summary |= {
     "init": source,
     "lambda_feedback": rcfg.lambda_feedback,

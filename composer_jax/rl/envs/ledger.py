@@ -111,6 +111,19 @@ def call_error(call: chat.ToolCall | chat.ParseError, mode: str = "informative")
   return ""
 
 
+def right_calls(call: chat.ToolCall | chat.ParseError) -> tuple[str, ...] | None:
+  """The right calls on the operands of `call`, an add or fadd of two integers, as call texts: `add a b`,
+  and `fadd a b` unless it wraps (the gate's decision-token oracle: a wrapping fadd is well-formed, and its
+  mistake is the tool's first byte). None for any other call (only its syntax can be judged)."""
+  if isinstance(call, chat.ParseError) or call.name not in ("add", "fadd") or len(call.args) != 2:
+    return None
+  nums = [_int(a) for a in call.args]
+  if any(x is None for x in nums):
+    return None
+  operands = " ".join(call.args)
+  return (f"add {operands}",) + ((f"fadd {operands}",) if not is_risky(*nums) else ())  # type: ignore[arg-type]
+
+
 class LedgerEnv:
   """One episode per `reset(seed)`: the pairs are a pure function of the seed (and `cfg.k`)."""
 
@@ -139,6 +152,10 @@ class LedgerEnv:
   def check(self, call: chat.ToolCall | chat.ParseError) -> str:
     """The informative server's error for this call, "" when it executes it (pure: the gate asks)."""
     return call_error(call, "informative")
+
+  def right_calls(self, call: chat.ToolCall | chat.ParseError) -> tuple[str, ...] | None:
+    """`right_calls` (pure: the gate asks)."""
+    return right_calls(call)
 
   def step(self, call: chat.ToolCall | chat.ParseError) -> Step:
     err = call_error(call, self.mode)
