@@ -60,6 +60,24 @@ MOONLIGHT_OVERRIDES = (
   "dataset_type=synthetic",
   "enable_checkpointing=false",
 )
+# kimi-k2-1t (MaxText's Kimi K2: the K2.5 text branch's layers, widths, 384 experts top-8, MLA, vocab) on
+# 1024 chips: its default (FSDP over every chip) cannot split the 512-row MLA kv_b matrix 1024 ways and
+# gathering every expert runs out of HBM at compile time (1.16 TB of temporaries), so it gets a mesh of
+# its own axes with the same degrees of context (4) and expert parallelism (64) class as ours
+# (RESULTS.md "Kimi K2.5 1T vs MaxText's kimi-k2-1t").
+KIMI_OVERRIDES = (
+  "model_name=kimi-k2-1t",
+  "remat_policy=full",
+  "opt_type=muon",
+  "dataset_type=synthetic",
+  "enable_checkpointing=false",
+  "ici_data_parallelism=2",
+  "ici_context_parallelism=4",
+  "ici_expert_parallelism=64",
+  "ici_fsdp_parallelism=2",
+  "allow_split_physical_axes=true",
+)
+MAXTEXT_OVERRIDES = {"moonlight_16b": MOONLIGHT_OVERRIDES, "kimi_k25_1t": KIMI_OVERRIDES}
 # `v5p-N` names count TensorCores (two per chip): v5p:4x4x4 (64 chips) is v5p-128.
 MAXTEXT_TOPOLOGY = {"v5p:4x4x4": "v5p-128", "v5p:8x8x16": "v5p-2048", "v5p:2x2x1": "v5p-8"}
 
@@ -101,10 +119,10 @@ def compile_maxtext(python: str, config: configs.Config, out: pathlib.Path) -> N
   """MaxText's train_compile for the same shapes, in its venv (`_maxtext_compile.py`)."""
   t = config.train
   overrides = [
-    *MOONLIGHT_OVERRIDES,
+    *MAXTEXT_OVERRIDES[config.variant],
     f"compile_topology={MAXTEXT_TOPOLOGY[config.compile.topology]}",
     "compile_topology_num_slices=1",
-    f"per_device_batch_size={t.batch_size // len(compile_stage.topology_devices(config.compile.topology))}",
+    f"per_device_batch_size={t.batch_size / len(compile_stage.topology_devices(config.compile.topology)):g}",
     f"max_target_length={t.seq_len}",
     "run_name=compile_vs_maxtext",
     f"base_output_directory={out / 'maxtext' / 'run'}",
@@ -214,7 +232,8 @@ def main() -> None:
     ("maxtext", "maxtext/maxtext.json", "maxtext/maxtext.hlo.txt"),
   ):
     sides[name] = side(json.loads((out / record).read_text()), (out / hlo).read_text(), config)
-  result = {"variant": args.variant, "topology": args.topology, "maxtext_overrides": MOONLIGHT_OVERRIDES}
+  theirs = json.loads((out / "maxtext" / "maxtext.json").read_text())
+  result = {"variant": args.variant, "topology": args.topology, "maxtext_overrides": theirs.get("overrides")}
   result |= sides | {"table": table(sides["ours"], sides["maxtext"])}
   result["capacity_factor"] = config.model.capacity_factor
   result["expert_chunks"] = config.model.expert_chunks
