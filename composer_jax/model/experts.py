@@ -127,11 +127,9 @@ def _row_chunks_forward(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks, expect
 
 
 def _dynamic_fori(n, body, init, *varying_like):
-  """fori_loop(0, n, body, init) for a traced n: a `while` of data-dependent length. Inside `shard_map`
-  the carry must vary over the mesh axes its updates vary over (those of `varying_like`)."""
-  init = varying.vary_like((jnp.int32(0), init), *varying_like)
-  _, out = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), init)
-  return out
+  """`jax.lax.fori_loop(0, n, ...)` for a traced n (a `while` of data-dependent length), its carry typed
+  to vary over the `shard_map` axes its updates vary over (those of `varying_like`)."""
+  return jax.lax.fori_loop(0, n, body, varying.vary_like(init, *varying_like))
 
 
 def _row_chunks_fwd(x_RD, sizes_E, w_gate_up_EDF, w_down_EFD, chunks, expect, ragged_dot):
