@@ -187,9 +187,17 @@ class ProblemLog:
   records afterwards (the training loop's metrics are scalars: the lists cannot travel with them).
 
     log = ProblemLog(functools.partial(evaluate_problems, cfg=cfg, ...))
+    log.resume(data_state)                        # after a resume: the outcomes its checkpoint kept
     fit(..., evaluate=log)                        # called like `evaluate`: params -> scalar metrics
-    evals = log.attach(result_evals)              # each record gains its evaluation's "problems"
+    ckpt.save(state, log.saved())                 # each checkpoint keeps the outcomes so far
+    evals = log.attach(all_evals)                 # each record gains its evaluation's "problems"
+
+  A checkpoint of step c keeps exactly the outcomes of the evaluations at steps <= c (an evaluation comes
+  before its step's save), the ones the metrics file keeps when a run resumes from c; so a resumed run's
+  log, like its metrics file, covers the whole run.
   """
+
+  KEY = "eval_problems"  # the checkpoint data state's field
 
   def __init__(self, evaluate_problems_fn: Any):
     self._fn = evaluate_problems_fn
@@ -200,9 +208,19 @@ class ProblemLog:
     self.outcomes.append(problems)
     return scores
 
+  def saved(self) -> dict[str, list]:
+    """A checkpoint's data state: the outcomes so far (a new list: an async save writes it later, after
+    more evaluations may have been appended here)."""
+    return {self.KEY: list(self.outcomes)}
+
+  def resume(self, data_state: dict | None) -> None:
+    """Starts from the outcomes a checkpoint's data state (`saved()`) kept; none for a fresh run, or a
+    checkpoint written before the outcomes were kept (`attach` then leaves the records as they are)."""
+    self.outcomes = list((data_state or {}).get(self.KEY, []))
+
   def attach(self, evals: list[dict]) -> list[dict]:
-    """`evals` (the records of the evaluations this log saw, in order) with "problems" added to each;
-    unchanged when the counts differ (records from another process, e.g. before a resume)."""
+    """`evals` (the records of the evaluations this log saw, in order, those before a resume included)
+    with "problems" added to each; unchanged when the counts differ (e.g. a checkpoint that kept none)."""
     if len(evals) != len(self.outcomes):
       return evals
     return [e | {"problems": p} for e, p in zip(evals, self.outcomes, strict=True)]

@@ -6,8 +6,9 @@
 
 Starts from the SFT checkpoint's weights (or `init_from`'s), on the same two meshes as pretraining, and
 logs which. Resumes mid-run from the newest checkpoint: the problems and sampling keys of step s are pure
-functions of (seed, s). The summary covers the steps this process trained (after a resume, from the
-resumed step on); the metrics file has every step.
+functions of (seed, s). A resumed arm's summary has the whole run's history and evaluations, as if it had
+never stopped: those before the resume are read back from its metrics file, their per-problem outcomes
+from the checkpoint's data state (`rollout.ProblemLog`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
   notes = {"total_steps": ocfg.total_steps}
   keep = rcfg.schedule.keep_checkpoints
   with outputs.opened(pathlib.Path(workdir, name), record, keep, metrics_dir, notes) as out:
-    state, source = _start(config, workdir, name, out, tx, meshes, ocfg)
+    state, source, data_state = _start(config, workdir, name, out, tx, meshes, ocfg)
+    if evaluate is not None:
+      evaluate.resume(data_state)  # the outcomes of the evaluations before the resume
     logging.info(
       "[%s] weights from %s; env %s, %d steps x %d problems x %d rollouts, %s/%s, lambda_feedback %s "
       "(%s, %s form, %s teacher, %s tokens, %s hint)",
@@ -89,12 +92,13 @@ def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str
       router_bias_rate=rcfg.router_bias_rate,
     )  # fmt: skip
     hooks = loop.hooks(
-      make_envs, cfg, rcfg, tok, meshes=meshes, evaluate=evaluate, save=out.save, check=out.check,
-      writer=out.writer,
+      make_envs, cfg, rcfg, tok, meshes=meshes, evaluate=evaluate, check=out.check, writer=out.writer,
+      save=lambda st, final: out.ckpt.save(st, {} if evaluate is None else evaluate.saved(), force=final),
     )  # fmt: skip
     state, result = train_loop.fit(state, train_step, rcfg.schedule, hooks, name=name)
   if result.interrupted:
     raise Interrupted(f"{name} stopped at step {result.steps} and saved its checkpoint")
+  result = result.with_earlier(metrics_dir / "metrics.jsonl", "reward", "eval_reward")  # after a resume
   summary = result.summary("reward", "eval_reward")
   summary["evals"] = _unprefixed(result.evals)
   if evaluate is not None:
@@ -133,16 +137,17 @@ def _unprefixed(records: list[dict]) -> list[dict]:
 
 def _start(
   config: Config, workdir: str, name: str, out: outputs.Outputs, tx: Any, meshes: Any, ocfg: Any
-) -> tuple[Any, str]:
-  """(state, where its weights came from): the arm's own newest good checkpoint, else the SFT
+) -> tuple[Any, str, dict | None]:
+  """(state, where its weights came from, data state): the arm's own newest good checkpoint, else the SFT
   checkpoint's params (or `init_from`'s weights) with a fresh optimizer state, whose teacher they are."""
   from composer_jax import train
 
   if out.ckpt.latest_step() is not None:  # restored into an abstract template: no weights read or made
-    state, _ = outputs.resume(out, train.state.abstract_state(config.model, tx, meshes), name, ocfg)
-    return state, f"{out.ckpt.directory}/{int(state.step)} (resumed)"
+    state, data = outputs.resume(out, train.state.abstract_state(config.model, tx, meshes), name, ocfg)
+    return state, f"{out.ckpt.directory}/{int(state.step)} (resumed)", data
   params, source = weights.starting_params(config, workdir, "sft", meshes)
-  return train.create_state(config.model, tx, jax.random.key(config.seed), meshes, params=params), source
+  state = train.create_state(config.model, tx, jax.random.key(config.seed), meshes, params=params)
+  return state, source, None
 
 
 def _window_means(values: list[float]) -> tuple[float, float, int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import pathlib
 import signal
 import threading
 import time
@@ -31,7 +32,7 @@ from absl import logging
 
 from composer_jax import console
 from composer_jax.configs import ScheduleConfig
-from composer_jax.train.metrics import MetricsWriter
+from composer_jax.train.metrics import MetricsWriter, read_history
 
 Schedule = ScheduleConfig  # the loop's schedule is a stage's schedule section: one class, one set of fields
 
@@ -66,14 +67,30 @@ class Result:
 
   def summary(self, *keys: str) -> dict:
     """What a stage's summary needs: the step range, timing, and the first and last value of each key
-    over the steps and evaluations of this run (after a resume: from the resumed step on; the metrics
-    file has the whole history)."""
+    over `history` and `evals` (after a resume, those of this process alone unless `with_earlier` added
+    the ones before it)."""
     out = {k: getattr(self, k) for k in ("start_step", "steps", "interrupted", "failed_steps")}
     out |= {k: getattr(self, k) for k in ("skipped_steps", "seconds", "seconds_per_step")}
     for key in keys:
       values = [r[key] for r in self.history + self.evals if key in r]
       out[f"first_{key}"], out[f"last_{key}"] = (values[0], values[-1]) if values else (None, None)
     return out | {"history": self.history, "evals": self.evals}
+
+  def with_earlier(self, path: str | pathlib.Path, step_key: str, eval_key: str) -> Result:
+    """This result with the records of the steps and evaluations at or before `start_step` read back from
+    the metrics JSONL the run writes (`path`: the writer's `resume_from` kept exactly those): a resumed
+    run's whole history, as the run that never stopped has it in memory (the records are what `fit`
+    wrote; JSON gives the floats back exactly). A training record is one that carries `step_key`, an
+    evaluation one that carries `eval_key`. A fresh run's result is returned as it is."""
+    if self.start_step == 0:
+      return self
+
+    def before(key: str) -> list[dict]:
+      return [r for r in read_history(path, key) if r["step"] <= self.start_step]
+
+    return dataclasses.replace(
+      self, history=before(step_key) + self.history, evals=before(eval_key) + self.evals
+    )
 
 
 class Diverged(RuntimeError):
