@@ -45,6 +45,8 @@ def attend(
   k_pos_BS: jax.Array,
   q_seg_BT: jax.Array,
   k_seg_BS: jax.Array,
+  *,
+  chunk: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Softmax attention of per-head queries over MLA's latent keys/values, shared by all heads.
 
@@ -57,7 +59,12 @@ def attend(
   indices) cover causal training, packed documents and a partly filled KV cache with one rule.
   The mask is an additive bias broadcast over heads; softmax in float32. Because keys are shared,
   (t, h) fold into one matmul dimension: [T·H, K] × [K, S] per batch row, no transposes.
+  `chunk` > 0: queries in chunks of at most that many positions (`attention_kernels.by_query_chunks`).
   """
+  if attention_kernels.chunk_count(q_pos_BT.shape[1], chunk) > 1:
+    keys = (latent_BSC, k_rope_BSR, scale)
+    whole = lambda ql, qr, qp, qs: attend(ql, qr, *keys, qp, k_pos_BS, qs, k_seg_BS)  # noqa: E731
+    return attention_kernels.by_query_chunks(whole, (q_latent_BTHC, q_rope_BTHR, q_pos_BT, q_seg_BT), chunk)
   visible_BTS = attention_kernels.visible(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
   bias_BT1S = jnp.where(visible_BTS, 0.0, _MASKED)[:, :, None, :]
   f32 = jnp.float32
@@ -174,6 +181,8 @@ class MLA(nnx.Module):
     k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
     splash = impl == "splash" and meshes is not None
     kw = {"layout": sharding.attention_layout(meshes, balanced)} if splash else {}
+    if impl == "xla":
+      kw["chunk"] = cfg.attention_chunk
     args = (q_BTHK.astype(cfg.dtype), k_BSHK, v_BSHV, cfg.softmax_scale, pos_BT, k_pos_BS, seg_BT, k_seg_BS)
     return attention_kernels.attention(impl, *args, **kw)
 
@@ -204,5 +213,6 @@ class MLA(nnx.Module):
       k_pos_BS,
       q_seg_BT,
       k_seg_BS,
+      chunk=cfg.attention_chunk,
     )
     return project("bthc,chv->bthv", out_BTHC, w_v_CHV, cfg.dtype), max_logit_H, new_cache

@@ -38,8 +38,39 @@ def visible(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS) -> jax.Array:
   return (k_pos_BS[:, None, :] <= q_pos_BT[:, :, None]) & (k_seg_BS[:, None, :] == q_seg_BT[:, :, None])
 
 
-def xla(q_BTHK, k_BSHK, v_BSHV, scale, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
-  """Reference kernel: fp32 scores [B, T, H, S], additive mask, fp32 softmax."""
+def chunk_count(t: int, chunk: int) -> int:
+  """The fewest chunks n that divide `t` positions into chunks of at most `chunk` (1: no chunking)."""
+  if chunk <= 0 or t <= chunk:
+    return 1
+  return next(n for n in range(-(-t // chunk), t + 1) if t % n == 0)
+
+
+def by_query_chunks(fn, q_side: tuple, chunk: int):
+  """`fn(*q_side) -> (out [B, T, ...], max_logit [H])` over chunks of at most `chunk` query positions.
+
+  Each query row's softmax is over all of its keys either way, so the result is the whole-T one up to the
+  matmuls' float order; the keys and values `fn` closes over are shared by every chunk. Each chunk runs
+  under `jax.checkpoint`, so the backward pass recomputes its scores: one chunk's [B, C, H, S] fp32 scores
+  live at a time, memory linear in T instead of quadratic. Chunk j takes columns i·n + j (n chunks), so a
+  query axis split over context devices in contiguous blocks stays split inside every chunk."""
+  B, T = q_side[0].shape[:2]
+  n = chunk_count(T, chunk)
+  if n == 1:
+    return fn(*q_side)
+  c = T // n
+  split = lambda x: jnp.moveaxis(x.reshape(B, c, n, *x.shape[2:]), 2, 0)  # noqa: E731  [n, B, c, ...]
+  one = jax.checkpoint(lambda xs: fn(*xs))
+  out_nBC, max_nH = jax.lax.map(one, tuple(split(x) for x in q_side))
+  out = jnp.moveaxis(out_nBC, 0, 2).reshape(B, T, *out_nBC.shape[3:])
+  return out, jnp.max(max_nH, axis=0)
+
+
+def xla(q_BTHK, k_BSHK, v_BSHV, scale, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, *, chunk: int = 0):
+  """Reference kernel: fp32 scores [B, T, H, S], additive mask, fp32 softmax; with `chunk` > 0 over
+  query chunks (`by_query_chunks`)."""
+  if chunk_count(q_BTHK.shape[1], chunk) > 1:
+    whole = lambda q, qp, qs: xla(q, k_BSHK, v_BSHV, scale, qp, k_pos_BS, qs, k_seg_BS)  # noqa: E731
+    return by_query_chunks(whole, (q_BTHK, q_pos_BT, q_seg_BT), chunk)
   bias_BT1S = jnp.where(visible(q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS), 0.0, _MASKED)[:, :, None, :]
   scores_BTHS = jnp.einsum("bthk,bshk->bths", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
   probs_BTHS = jax.nn.softmax(scores_BTHS + bias_BT1S, axis=-1).astype(v_BSHV.dtype)

@@ -115,6 +115,10 @@ class ModelConfig:
   # Training attention: "auto" (per platform: `backend.attention_impl`), "xla", "cudnn", "splash"
   # (expanded K/V, attention_kernels.py), or "absorbed" (the latent form decoding always uses).
   attention_impl: Literal["auto", "absorbed", "xla", "cudnn", "splash"] = "auto"
+  # The "xla" and "absorbed" kernels (the CPU path; prefill and the RL update) take queries in chunks of at
+  # most this many positions, each chunk's scores recomputed in the backward pass, so [B, T, H, S] fp32
+  # scores never exist whole: memory linear in the length, not quadratic. 0: all queries at once.
+  attention_chunk: int = 512
   expert_block: int = 128  # blocked path: rows per block (padding < n_experts·expert_block rows).
   # Slots per expert (capacity path) / per EP buffer, × a balanced share; 0: dropless (worst-case buffers).
   capacity_factor: float = 2.0
@@ -281,6 +285,8 @@ def _check(c: ModelConfig) -> None:
     problems.append(f"top_k={c.top_k} exceeds the experts left after group selection")
   if c.qk_rope_head_dim % 2:
     problems.append(f"qk_rope_head_dim={c.qk_rope_head_dim} must be even")
+  if c.attention_chunk < 0:
+    problems.append(f"attention_chunk={c.attention_chunk} must be >= 0 (0: all queries at once)")
   if c.loss_chunk < 0:
     problems.append(f"loss_chunk={c.loss_chunk} must be >= 0 (0: the whole sequence at once)")
   if not 0 <= c.first_k_dense <= c.n_layers:

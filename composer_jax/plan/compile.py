@@ -109,12 +109,15 @@ def lower_train_step(config: configs.Config, meshes: sharding.Meshes) -> jax.sta
   return step.lower(state, batch)
 
 
-def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages.Lowered:
+def lower_rl_step(
+  config: configs.Config, meshes: sharding.Meshes, micro_rows: int | None = None
+) -> jax.stages.Lowered:
   """The RL step of the variant's model as the rl stage builds it, lowered for problems_per_step ×
   group_size rollouts padded to the power of two ≥ rl.cache_len tokens. With rl.lambda_feedback > 0 it
   carries the feedback branch: the teacher (frozen or EMA: a second copy of the params in the optimizer
   state) encodes `rl.feedback_rows` flagged rows, extends them by a 64-token hint + turn, and the
-  divergence runs on up to max_turn_tokens tokens of each (a 64-token hint + turn)."""
+  divergence runs on up to max_turn_tokens tokens of each (a 64-token hint + turn). `micro_rows`: the
+  update in micro-batches of that many rollouts (`rl.batch.micro_batched`'s layout)."""
   from composer_jax.rl import batch as rl_batch  # noqa: PLC0415  (the RL package is large)
   from composer_jax.rl import step as rl_step  # noqa: PLC0415
   from composer_jax.rl.loss import LossSettings  # noqa: PLC0415
@@ -132,9 +135,11 @@ def lower_rl_step(config: configs.Config, meshes: sharding.Meshes) -> jax.stages
   grid = {k: ((rows, cols), np.int32) for k in ("tokens", "positions", "segment_ids")}
   grid |= {k: ((rows, cols), np.float32) for k in ("loss_mask", "sampler_logprobs")}
   per_row = {"rewards": ((rows,), np.float32), "group_ids": ((rows,), np.int32)}
-  batch = rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes))
+  n = rows // (micro_rows or rows)
+  batch = rl_batch.RLBatch(**_abstract_batch(grid | per_row, meshes), micro_batches=n)
   if r.lambda_feedback > 0:
     F, N, L = rollout.feedback_shape(r)
+    F = n * -(-F // n)
     fb = {k: ((F,), np.int32) for k in ("fb_rows", "teacher_lengths", "hint_start")}
     fb |= {"teacher_tokens": ((F, L), np.int32), "fb_cols": ((F, N), np.int32)}
     fb |= {"teacher_cols": ((F, N), np.int32), "fb_mask": ((F, N), np.float32)}

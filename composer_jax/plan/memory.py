@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from composer_jax import backend
-from composer_jax.model.attention_kernels import SPLASH_BLOCK
+from composer_jax.model.attention_kernels import SPLASH_BLOCK, chunk_count
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import capacity
 from composer_jax.plan.layout import Layout, Leaf
@@ -87,14 +87,28 @@ def attention_elems(cfg: ModelConfig, tok: Tokens) -> tuple[int, int]:
   output (6D), q-LoRA latent and its norm (2Q), q (H·(N+R)), its rotated part (H·R), q·W_k (H·C), the
   concatenated query (H·(C+R)), the latent and rope key (C+2R), attention out (H·C), W_v out (H·V).
   Keys and values are gathered over `context`: b·S·(2C+R). Three fp32 [b, t, H, S] buffers: scores,
-  probabilities, and the probabilities laid out for the second matmul's backward (XLA keeps both).
+  probabilities, and the probabilities laid out for the second matmul's backward (XLA keeps both); none
+  when the queries run in chunks (`cfg.attention_chunk`: each chunk's scores are recomputed in the
+  backward pass, `query_chunk_scores` is what lives at once).
   """
   d, h, c, r = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
   per_token = 6 * d + 2 * cfg.q_lora_rank + h * (cfg.qk_head_dim + r + 2 * c + (c + r) + cfg.v_head_dim)
   per_token += c + 2 * r
   act = tok.n * per_token + tok.b * tok.seq * (2 * c + r)
-  f32 = 3 * tok.b * tok.t * h * tok.seq
+  f32 = 0 if chunk_count(tok.seq, cfg.attention_chunk) > 1 else 3 * tok.b * tok.t * h * tok.seq
   return act, f32
+
+
+def query_chunk_scores(cfg: ModelConfig, tok: Tokens) -> int:
+  """fp32 elements of one query chunk's scores, probabilities and their gradient ([b, t/n, H, S] each)
+  while the chunk is recomputed and differentiated; 0 without chunks (`attention_elems` keeps them)."""
+  n = chunk_count(tok.seq, cfg.attention_chunk)
+  return 0 if n == 1 else 3 * tok.b * (tok.t // n) * cfg.n_heads * tok.seq
+
+
+def loss_positions(cfg: ModelConfig, tok: Tokens) -> int:
+  """Positions per device whose logits live at once: all of them, or one chunk's (`cfg.loss_chunk`)."""
+  return tok.b * (tok.t // chunk_count(tok.seq, cfg.loss_chunk))
 
 
 def moe_rows(cfg: ModelConfig, layout: Layout, tok: Tokens) -> dict[str, int]:
@@ -215,9 +229,9 @@ def activation_memory(
     "dense": (attn_act + dense_mlp) * act_b + attn_f32 * 4,
     "moe": (attn_act + shared + moe_act) * act_b + (attn_f32 + moe_f32) * 4,
   }
-  head = 3 * tok.n * cfg.vocab_size * 4 + 2 * tok.n * cfg.d_model * act_b
+  head = 3 * loss_positions(cfg, tok) * cfg.vocab_size * 4 + 2 * tok.n * cfg.d_model * act_b
   terms = {
-    "attention": cfg.n_layers * (attn_act * act_b + attn_f32 * 4),
+    "attention": cfg.n_layers * (attn_act * act_b + attn_f32 * 4) + query_chunk_scores(cfg, tok) * 4,
     "dense_mlp": n_dense * dense_mlp * act_b,
     "shared_experts": n_moe * shared * act_b,
     "routed_experts": n_moe * (moe_act * act_b + moe_f32 * 4),
@@ -309,7 +323,8 @@ def remat_phases(
       cfg.qk_head_dim + cfg.v_head_dim
     ) * a + n * h * SPLASH_LSE_LANES * 4
   else:
-    attention = n * h * s * (4 + 2 * a) + n * s * 4 + n * h * (2 * (c + r) + 2 * c + cfg.qk_head_dim) * a
+    n_q = n // chunk_count(s, cfg.attention_chunk)  # query positions whose scores live at once
+    attention = n_q * h * s * (4 + 2 * a) + n_q * s * 4 + n * h * (2 * (c + r) + 2 * c + cfg.qk_head_dim) * a
   rows = moe_rows(cfg, layout, tok)
   big_r, f = rows["expert_rows"], cfg.moe_mlp_dim
   live_r = big_r // row_chunks(cfg, big_r)  # rows whose hidden activations are live at once

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from composer_jax import configs, model, sharding
+from composer_jax.model.attention_kernels import chunk_count
 from composer_jax.plan import core
 from composer_jax.plan.layout import derive_layout, leaves, tpu_bytes
 
@@ -58,43 +59,55 @@ def feedback_shape(rcfg: configs.RLConfig) -> tuple[int, int, int]:
   return rcfg.feedback_rows or rows, n, bucket(64 + n, 64)
 
 
-def rl_phases(config: configs.Config, plan: core.Plan) -> dict[str, dict[str, int]]:
-  """The RL step's own live temporaries (bytes per device): its loss and the teacher's forward."""
+def rl_phases(config: configs.Config, plan: core.Plan, rows: int, cols: int) -> dict[str, dict[str, int]]:
+  """The RL step's own live temporaries (bytes per device) for micro-batches of `rows` rollouts of `cols`
+  tokens: its loss and the teacher's forward. Without remat the teacher runs while the student's
+  residuals are live (they are the "passes" phase's)."""
   cfg, r = config.model, config.rl
-  rows, cols = rl_shape(r)
   deg = plan.layout.degrees
   a, v, d = np.dtype(cfg.dtype).itemsize, cfg.vocab_size, cfg.d_model
-  n = rows * cols // (deg.batch * deg.seq)
-  kept = {
-    k: plan.phases["head"][k] for k in ("saved_for_backward", "parameter_casts") if k in plan.phases["head"]
-  }
+  n = rows * (cols // chunk_count(cols, cfg.loss_chunk)) // (deg.batch * deg.seq)  # logits live at once
+  if "head" in plan.phases:
+    kept = {
+      k: plan.phases["head"][k] for k in ("saved_for_backward", "parameter_casts") if k in plan.phases["head"]
+    }
+  else:
+    kept = {"residuals": plan.phases["passes"]["residuals"]}
   loss = kept | {"lm_head_gathered": v * d * a if deg.fsdp > 1 else 0, "logits": n * v * (a + 4)}
   if r.lambda_feedback <= 0:
     return {"loss": loss}
   f, big_n, big_l = feedback_shape(r)
-  f_local = -(-f // deg.batch)
+  n_micro = rl_shape(r)[0] // rows
+  per_micro = math.ceil(f / n_micro)  # teacher rows per micro-batch (`rl.batch.micro_batched`)
+  f_local = math.ceil(per_micro / deg.batch)
   loss["teacher_scores"] = f_local * big_n * v * 4
   slots = cols + big_l
-  teacher = {
-    "weights": plan.phases["head"].get("parameter_casts", 0),  # its params, cast like the student's
+  q_rows = cols // chunk_count(cols, cfg.attention_chunk)  # the teacher's prefix queries at once
+  teacher = kept | {
+    "weights": plan.phases.get("head", {}).get("parameter_casts", 0),  # its params, cast like the student's
     "cache": f_local * slots * cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a,
-    "prefix_scores": 2 * f_local * (cols // deg.seq) * cfg.n_heads * slots * 4,
+    "prefix_scores": 2 * f_local * (q_rows // deg.seq) * cfg.n_heads * slots * 4,
     "logits": f_local * big_l * v * 4,
   }
   return {"loss": loss, "teacher": teacher}
 
 
-def rl_step(config: configs.Config, *, tpu: bool = False) -> dict[str, Any]:
-  """Predicted memory_analysis fields of the RL step, with its terms."""
+def rl_step(
+  config: configs.Config, *, tpu: bool = False, micro_rows: int | None = None, cols: int | None = None
+) -> dict[str, Any]:
+  """Predicted memory_analysis fields of the RL step, with its terms: problems_per_step × group_size
+  rollouts padded to `cols` tokens (default: the longest, `rl_shape`), updated in micro-batches of
+  `micro_rows` rollouts (default: one pass)."""
   r = config.rl
-  rows, cols = rl_shape(r)
-  train = dataclasses.replace(config.train, batch_size=rows, seq_len=cols, grad_accum=1)
-  whole_logits = dataclasses.replace(config.model, loss_chunk=0)  # the RL loss reads every token's logits
-  plan = core.make_plan(dataclasses.replace(config, train=train, model=whole_logits), tpu=tpu)
+  rows, longest = rl_shape(r)
+  cols = cols or longest
+  micro = micro_rows or rows
+  train = dataclasses.replace(config.train, batch_size=rows, seq_len=cols, grad_accum=rows // micro)
+  plan = core.make_plan(dataclasses.replace(config, train=train), tpu=tpu)
   teacher = sum(plan.memory[m]["params"] for m in ("dense", "expert")) if r.teacher != "live" else 0
   split = plan.layout.degrees
   grid = _RL_GRID_FIELDS * rows * cols * 4 // (split.batch * split.seq)
-  phases = {k: t for k, t in plan.phases.items() if k != "head"} | rl_phases(config, plan)
+  phases = {k: t for k, t in plan.phases.items() if k != "head"} | rl_phases(config, plan, micro, cols)
   temp = core.heap_bytes(phases, config.model, tpu)
   state = plan.xla["output"] + teacher
   xla = {"argument": state + grid, "output": state, "alias": state, "temp": temp, "peak": state + grid + temp}

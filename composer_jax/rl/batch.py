@@ -53,6 +53,12 @@ class RLBatch:
   routed_experts: Any = None  # int16 [B, T, MoE layers, top_k] (routing replay), -1 where unknown
   feedback: FeedbackBatch | None = None  # the teacher's inputs; None: no flagged turn (or λ = 0)
   flagged: Any = None  # float32 [B, T]: 1 on the first flagged turn's sampled tokens (arm "penalty")
+  # Whole-batch terms (`rl.loss.whole_batch_terms`), set inside the step before it splits the batch:
+  advantages: Any = None  # float32 [B]: group-relative advantages (groups may span micro-batches)
+  keep: Any = None  # float32 [B]: 1 for the rollouts in the policy loss
+  # The update runs in this many micro-batches, row p in micro-batch p % n (`micro_batched`); the teacher
+  # rows' fb_rows are then rows of their micro-batch. Static: each count is its own program.
+  micro_batches: int = struct.field(pytree_node=False, default=1)
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -190,3 +196,60 @@ def rl_batch(
     turns = first_flagged(trajs, infos, rules, tok)
     batch = batch.replace(flagged=flagged_tokens(trajs, turns, pad_to))
   return batch
+
+
+def micro_rows(rows: int, length: int, update_tokens: int, multiple: int = 1) -> int:
+  """Rollouts per micro-batch of an update of `rows` rollouts padded to `length` tokens under a budget of
+  `update_tokens` tokens per micro-batch (0: no budget, one pass): the most that fit and divide `rows`,
+  preferring multiples of `multiple` (the devices the batch is split over). At least one rollout."""
+  if update_tokens <= 0 or rows * length <= update_tokens:
+    return rows
+  fits = [r for r in range(1, rows + 1) if rows % r == 0 and r * length <= update_tokens]
+  aligned = [r for r in fits if r % multiple == 0]
+  return max(aligned or fits or [1])
+
+
+def micro_batched(batch: RLBatch, n: int) -> RLBatch:
+  """The batch arranged for an update in `n` micro-batches (the step takes row p into micro-batch p % n):
+  rows permuted so that the rows with a teacher row come first (spread round-robin over the micro-batches),
+  each teacher row's `fb_rows` renumbered within its micro-batch, and the teacher rows padded to n·⌈F/n⌉
+  so every micro-batch has the same number. The loss is a sum over rows with whole-batch advantages
+  (`rl.loss.whole_batch_terms`), so the order of rows changes it only by float order."""
+  if n <= 1:
+    return batch
+  B = batch.tokens.shape[0]
+  if B % n:
+    raise ValueError(f"{B} rollouts do not split into {n} micro-batches")
+  fb = batch.feedback
+  first = (
+    [] if fb is None else [int(r) for r, n_ in zip(fb.fb_rows, fb.teacher_lengths, strict=True) if n_ > 0]
+  )
+  order = np.asarray(first + [b for b in range(B) if b not in set(first)], np.int64)
+  rows_leading = {k for k, v in vars(batch).items() if k != "feedback" and v is not None and np.ndim(v) >= 1}
+  moved = {k: np.asarray(getattr(batch, k))[order] for k in rows_leading}
+  out = batch.replace(**moved, micro_batches=n)
+  if fb is None:
+    return out
+  k = len(first)
+  F = int(fb.fb_rows.shape[0])
+  per = -(-max(F, k) // n)
+  pad_to = int(batch.tokens.shape[1])
+  arrays = {name: np.asarray(getattr(fb, name)) for name in vars(fb)}
+  kept = [i for i, n_ in enumerate(fb.teacher_lengths) if n_ > 0]  # teacher rows, in batch-row order
+
+  def padded(name: str, fill) -> np.ndarray:
+    x = arrays[name]
+    new = np.full((n * per, *x.shape[1:]), fill, x.dtype)
+    new[:k] = x[kept]
+    return new
+
+  new_fb = FeedbackBatch(
+    fb_rows=np.concatenate([np.arange(k, dtype=np.int32) // n, np.zeros(n * per - k, np.int32)]),
+    teacher_tokens=padded("teacher_tokens", 0),
+    teacher_lengths=padded("teacher_lengths", 0),
+    hint_start=padded("hint_start", pad_to),
+    fb_cols=padded("fb_cols", 0),
+    teacher_cols=padded("teacher_cols", 0),
+    fb_mask=padded("fb_mask", 0.0),
+  )
+  return out.replace(feedback=new_fb)

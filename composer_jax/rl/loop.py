@@ -21,7 +21,14 @@ from composer_jax import model, sharding
 from composer_jax.configs import RLConfig
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.rl import envs, feedback
-from composer_jax.rl.batch import RLBatch, feedback_rules, rl_batch, without_feedback
+from composer_jax.rl.batch import (
+  RLBatch,
+  feedback_rules,
+  micro_batched,
+  micro_rows,
+  rl_batch,
+  without_feedback,
+)
 from composer_jax.rl.engine import KVCacheSampler, Rollout
 from composer_jax.rl.rollout import collect, env_metrics, rollout_stats
 from composer_jax.train import batch as batch_lib
@@ -62,6 +69,7 @@ def hooks(
   rules = feedback_rules(rcfg) if rules is None else rules
   use_fb = rcfg.lambda_feedback > 0
   engine = KVCacheSampler(cfg, rcfg, tok, meshes) if engine is None else engine
+  batch_split = 1 if meshes is None else sharding.degrees(meshes).batch  # devices the rollouts split over
 
   def next_batch(s: int, state: TrainState) -> tuple[RLBatch, dict]:
     t0 = time.perf_counter()
@@ -82,6 +90,10 @@ def hooks(
     # (its feedback term is exactly 0): one program instead of two.
     if use_fb and not (n_fb_rows or cap):
       batch = without_feedback(batch)
+    B, T = batch.tokens.shape
+    rows = micro_rows(B, T, rcfg.update_tokens, multiple=batch_split)
+    batch = micro_batched(batch, B // rows)
+    stats["update_micro_batches"] = B // rows
     return batch_lib.place(batch, meshes), stats
 
   return loop.Hooks(

@@ -29,6 +29,7 @@ one flagged token weigh as much as hundreds of RL tokens and let feedback swamp 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -46,7 +47,7 @@ from composer_jax.rl.objectives import (
   policy_loss,
   policy_metrics,
 )
-from composer_jax.train.losses import token_logp
+from composer_jax.train.losses import chunked_token_logp
 from composer_jax.train.step import LossAux
 
 
@@ -237,6 +238,36 @@ def feedback_terms(
   return _scatter_BT(d_FN, logp_BT, batch), adv_BT, m
 
 
+def whole_batch_terms(batch: RLBatch, ls: LossSettings) -> RLBatch:
+  """The batch with the terms that need every rollout of the update: the group-relative advantages
+  `advantages` [B] (a group's rollouts may sit in different micro-batches) and `keep` [B], the rollouts in
+  the policy loss (DAPO's dynamic sampling drops groups without signal; a row with a teacher row or, for
+  arm "penalty", flagged tokens stays). The step computes them before it splits the batch."""
+  adv_B = advantages(batch.rewards, batch.group_ids, kind=ls.advantage)
+  if not ls.policy_gradient:
+    adv_B = jnp.zeros_like(adv_B)
+  keep_B = jnp.ones_like(adv_B, dtype=bool)
+  if ls.dynamic_sampling:
+    keep_B = groups_with_signal(batch.rewards, batch.group_ids)
+  fb = batch.feedback
+  if fb is not None:  # a flagged row carries feedback even when its group's rewards are all equal
+    n = (
+      batch.micro_batches
+    )  # teacher row q belongs to micro-batch q % n, whose row j is batch row j·n + q % n
+    rows_F = fb.fb_rows * n + jnp.arange(fb.fb_rows.shape[0]) % n
+    keep_B = keep_B | jnp.zeros_like(keep_B).at[rows_F].max(fb.teacher_lengths > 0)
+  if batch.flagged is not None and ls.flag_penalty > 0:
+    keep_B = keep_B | jnp.any(batch.flagged > 0, axis=1)
+  return batch.replace(advantages=adv_B.astype(jnp.float32), keep=keep_B.astype(jnp.float32))
+
+
+def policy_count(batch: RLBatch, ls: LossSettings) -> jax.Array:
+  """The policy objective's normaliser of a whole batch (`whole_batch_terms` applied): what every
+  micro-batch's sum is divided by, so the accumulated gradient is the whole batch's."""
+  mask_BT = batch.loss_mask * batch.keep[:, None]
+  return on_objective_scale(jnp.zeros_like(mask_BT), mask_BT, objective=ls.objective, max_len=ls.max_len)[1]
+
+
 def rl_loss(
   params: Any,
   batch: RLBatch,
@@ -248,39 +279,36 @@ def rl_loss(
 ) -> tuple[jax.Array, LossAux]:
   """(RL sum + λ · feedback sum, LossAux(RL count, metrics as (sum, count) pairs, model aux)): the loss
   is their ratio (`train.step`). The feedback term is computed when the batch carries teacher inputs
-  (`batch.feedback`); `teacher_params`: a frozen or EMA teacher (None: live, the current weights)."""
+  (`batch.feedback`); `teacher_params`: a frozen or EMA teacher (None: live, the current weights).
+  `batch` is the whole update or one micro-batch of it with `whole_batch_terms` already applied. With
+  `cfg.loss_chunk` the head and log-softmax run on chunks of columns (`losses.chunked_token_logp`)."""
+  if batch.advantages is None:
+    batch = whole_batch_terms(batch, ls)
   routed = replayed_experts(batch, ls)
   rows = (batch.tokens, batch.positions, batch.segment_ids)
   fb = batch.feedback
   if fb is not None and ls.live_teacher:  # the live teacher extends the student's own KV cache
-    logits_BTV, aux = student_forward(params, cfg, rows, fb.teacher_tokens.shape[1], routed, meshes)
+    _, aux = student_forward(params, cfg, rows, fb.teacher_tokens.shape[1], routed, meshes)
   else:
-    logits_BTV, aux = model.apply(
+    _, aux = model.apply(
       params, cfg, *rows[:2], segment_ids=batch.segment_ids, routed_experts=routed, meshes=meshes
     )
-  logp_BT = token_logp(logits_BTV, batch.tokens)
-  adv_B = advantages(batch.rewards, batch.group_ids, kind=ls.advantage)
-  if not ls.policy_gradient:
-    adv_B = jnp.zeros_like(adv_B)
+  head = functools.partial(model.head, params, cfg)
+  logp_BT, ent_BT = chunked_token_logp(aux["hidden"], head, batch.tokens, cfg.loss_chunk)
+  adv_B, keep_B = batch.advantages, batch.keep > 0
   adv, fb_BT = adv_B, jnp.zeros_like(logp_BT)
-  keep_B = jnp.ones_like(adv_B, dtype=bool)
-  if ls.dynamic_sampling:
-    keep_B = groups_with_signal(batch.rewards, batch.group_ids)
-  zero = jnp.zeros((), jnp.float32)
-  m = {"feedback_kl": (zero, zero), "feedback_tokens": (zero, jnp.ones((), jnp.float32))}
+  zero, share = jnp.zeros((), jnp.float32), jnp.asarray(1.0 / batch.micro_batches, jnp.float32)
+  m = {"feedback_kl": (zero, zero), "feedback_tokens": (zero, share)}  # per update, summed over micro-batches
   if fb is not None:
     t_logits_FNV = teacher_logits(params, cfg, aux.get("cache"), batch, teacher_params, meshes)
     s_logits_FNV = student_feedback_logits(params, cfg, aux["hidden"], batch)
     fb_BT, fb_adv_BT, m_fb = feedback_terms(s_logits_FNV, t_logits_FNV, logp_BT, batch, ls)
-    m |= m_fb | {"feedback_tokens": (m_fb["feedback_kl"][1], jnp.ones((), jnp.float32))}
+    m |= m_fb | {"feedback_tokens": (m_fb["feedback_kl"][1], share)}
     if ls.feedback_mode == "advantage":
       adv, fb_BT = adv_B[:, None] + fb_adv_BT, jnp.zeros_like(fb_BT)
       m["feedback_advantage"] = (jnp.sum(fb_adv_BT), m["feedback_kl"][1])
-    # A flagged row carries feedback even when its group's rewards are all equal.
-    keep_B = keep_B | jnp.zeros_like(keep_B).at[fb.fb_rows].max(fb.teacher_lengths > 0)
   if batch.flagged is not None and ls.flag_penalty > 0:
     adv, pen_BT = penalized(adv, batch.flagged, ls.flag_penalty)
-    keep_B = keep_B | jnp.any(batch.flagged > 0, axis=1)
     m["flag_penalty"] = (jnp.sum(pen_BT), jnp.sum(batch.flagged > 0).astype(jnp.float32))
   mask_BT = batch.loss_mask * keep_B[:, None]
   kw = dict(objective=ls.objective, sampler_logp=batch.sampler_logprobs, tis_cap=ls.tis_cap)
@@ -290,7 +318,7 @@ def rl_loss(
   # The feedback term on the policy objective's scale: the same reduction and the same count.
   fb_sum, _ = on_objective_scale(fb_BT, mask_BT, objective=ls.objective, max_len=ls.max_len)
   m |= policy_metrics(logp_BT, jax.lax.stop_gradient(logp_BT), adv, mask_BT, **kw)
-  m |= _diagnostics(logits_BTV, logp_BT, mask_BT, batch)
+  m |= _diagnostics(ent_BT, logp_BT, mask_BT, batch)
   m["feedback_loss"] = (jax.lax.stop_gradient(ls.lambda_feedback * fb_sum), pl_count)
   m["policy_loss"] = (jax.lax.stop_gradient(pl_sum), pl_count)
   m["advantage_abs"] = (jnp.sum(jnp.abs(adv_B)), jnp.asarray(adv_B.shape[0], jnp.float32))
@@ -305,12 +333,11 @@ def penalized(adv: jax.Array, flagged_BT: jax.Array, penalty: float) -> tuple[ja
   return adv_BT - pen_BT, pen_BT
 
 
-def _diagnostics(logits_BTV: jax.Array, logp_BT: jax.Array, mask_BT: jax.Array, batch: RLBatch) -> dict:
-  """Entropy of the policy and |sampler − trainer| log-prob gap on the trained tokens."""
+def _diagnostics(ent_BT: jax.Array, logp_BT: jax.Array, mask_BT: jax.Array, batch: RLBatch) -> dict:
+  """Entropy of the policy (`ent_BT`, aligned with the tokens it predicts) and |sampler − trainer|
+  log-prob gap on the trained tokens."""
   m_BT = mask_BT > 0
   n = jnp.sum(m_BT).astype(jnp.float32)
-  logp_all_BTV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BTV[:, :-1]).astype(jnp.float32), axis=-1)
-  ent_BT = jnp.pad(-jnp.sum(jnp.exp(logp_all_BTV) * logp_all_BTV, axis=-1), ((0, 0), (1, 0)))
   gap_BT = jnp.abs(batch.sampler_logprobs - jax.lax.stop_gradient(logp_BT))
   return {
     "entropy": (jnp.sum(jnp.where(m_BT, ent_BT, 0.0)), n),

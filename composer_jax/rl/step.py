@@ -23,7 +23,7 @@ import optax
 from composer_jax import model, sharding
 from composer_jax.configs import RLConfig
 from composer_jax.rl.batch import RLBatch
-from composer_jax.rl.loss import LossSettings, rl_loss
+from composer_jax.rl.loss import LossSettings, policy_count, rl_loss, whole_batch_terms
 from composer_jax.train.state import TrainState
 from composer_jax.train.step import LossAux, LossFn
 
@@ -79,18 +79,34 @@ def check_config(rcfg: RLConfig) -> None:
     raise ValueError(f"lambda_feedback must be ≥ 0, got {rcfg.lambda_feedback}")
 
 
-def loss_fn(cfg: model.ModelConfig, ls: LossSettings, meshes: sharding.Meshes | None = None) -> LossFn:
+class RLLoss:
   """The RL loss as `train.step.make_step` takes it: the teacher of a batch with feedback inputs is the
-  one held in the optimizer state (`teacher_optimizer`), or the current weights for a live teacher."""
+  one held in the optimizer state (`teacher_optimizer`), or the current weights for a live teacher.
 
-  def fn(params: Any, batch: RLBatch, state: TrainState) -> tuple[jax.Array, LossAux]:
+  For an update in micro-batches (`RLBatch.micro_batches`, `train.step.gradients`) it also gives what
+  needs the whole batch: `whole_batch` (group advantages, kept rollouts) before the split, and `count`,
+  the normaliser every micro-batch's sum is divided by."""
+
+  def __init__(self, cfg: model.ModelConfig, ls: LossSettings, meshes: sharding.Meshes | None = None):
+    self.cfg, self.ls, self.meshes = cfg, ls, meshes
+
+  def __call__(self, params: Any, batch: RLBatch, state: TrainState) -> tuple[jax.Array, LossAux]:
     teacher = None
-    if batch.feedback is not None and not ls.live_teacher:
+    if batch.feedback is not None and not self.ls.live_teacher:
       if not isinstance(state.opt_state, TeacherState):
         raise ValueError(
           "a frozen or EMA teacher needs the optimizer state of rl.step.teacher_optimizer(tx, rcfg)"
         )
       teacher = state.opt_state.teacher
-    return rl_loss(params, batch, teacher, cfg=cfg, ls=ls, meshes=meshes)
+    return rl_loss(params, batch, teacher, cfg=self.cfg, ls=self.ls, meshes=self.meshes)
 
-  return fn
+  def whole_batch(self, batch: RLBatch) -> RLBatch:
+    return whole_batch_terms(batch, self.ls)
+
+  def count(self, batch: RLBatch) -> jax.Array:
+    return policy_count(batch, self.ls)
+
+
+def loss_fn(cfg: model.ModelConfig, ls: LossSettings, meshes: sharding.Meshes | None = None) -> LossFn:
+  """The RL loss for `train.step.make_step` (`RLLoss`)."""
+  return RLLoss(cfg, ls, meshes)

@@ -22,8 +22,9 @@ from typing import Any
 import jax
 from absl import logging
 
-from composer_jax import configs, optim, sharding
+from composer_jax import backend, configs, optim, sharding
 from composer_jax.configs import Config, RLConfig
+from composer_jax.plan import host
 from composer_jax.stages import outputs, sft, weights
 from composer_jax.stages.record import Interrupted, Stage
 
@@ -35,7 +36,7 @@ def rl_optimizer(config: Config, rcfg: RLConfig) -> configs.OptimizerConfig:
 def run(config: Config, workdir: str) -> dict[str, Any]:
   """The feedback arm, then (with `compare_without_feedback` and λ > 0) the λ = 0 arm from the same SFT
   params on the same problems and seeds; its summary is `without_feedback` in the returned dict."""
-  rcfg = config.rl
+  rcfg = dataclasses.replace(config.rl, update_tokens=update_budget(config))
   summary = run_arm(config, workdir, rcfg, "rl")
   if rcfg.compare_without_feedback and rcfg.lambda_feedback > 0:
     logging.info("[rl] the same run without feedback (lambda_feedback 0), same problems and seeds")
@@ -43,6 +44,18 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     summary["without_feedback"] = run_arm(config, workdir, nofb, "rl_nofb")
   pathlib.Path(workdir, "rl.json").write_text(json.dumps(summary, indent=1))
   return summary
+
+
+def update_budget(config: Config) -> int:
+  """`rl.update_tokens` to run with: on CPU (every device a slice of this host's memory) checked against, or
+  chosen to fit, `rl.update_memory` of the host at the longest rollouts (`plan.host`), said in one line
+  when micro-batches are chosen; on GPU/TPU as configured (0: one pass; `plan` checks HBM)."""
+  if backend.platform() != "cpu":
+    return config.rl.update_tokens
+  tokens, line = host.resolve_update_tokens(config)
+  if line:
+    logging.info("%s", line)
+  return tokens
 
 
 def run_arm(config: Config, workdir: str, rcfg: RLConfig, name: str) -> dict[str, Any]:

@@ -16,6 +16,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from composer_jax.model.attention_kernels import chunk_count
+
 
 def next_token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
   """log p(tokens[:, t + 1] | tokens[:, ≤ t]) for t < T - 1, float32 [B, T - 1]."""
@@ -114,3 +116,35 @@ def chunked_target_loss(
   zero = jnp.zeros((), jnp.float32)
   (s, c), _ = jax.lax.scan(add, (zero, zero), (by_chunk(hidden_BTD), by_chunk(targets_BT), by_chunk(mask_BT)))
   return s, c
+
+
+def chunked_token_logp(
+  hidden_BTD: jax.Array, head: Callable[[jax.Array], jax.Array], tokens_BT: jax.Array, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+  """(`token_logp(head(hidden), tokens)`, the predictive entropy aligned the same way, no gradient), both
+  float32 [B, T], from at most `chunk` columns of every row at a time (`chunk` 0: all at once).
+
+  The RL loss needs every sampled token's log-prob, not a sum, so unlike `chunked_target_loss` the
+  chunks' values are kept ([B, T] floats, not [B, T, V]); each chunk's logits are recomputed in the
+  backward pass (`jax.checkpoint`). Chunk j takes columns i·n + j, as in `chunked_target_loss`."""
+  B, T, _ = hidden_BTD.shape
+  targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))  # column t predicts token t + 1
+
+  def columns(h_BcD: jax.Array, t_Bc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logp_BcV = jax.nn.log_softmax(head(h_BcD).astype(jnp.float32), axis=-1)
+    sg_BcV = jax.lax.stop_gradient(logp_BcV)
+    ent_Bc = -jnp.sum(jnp.exp(sg_BcV) * sg_BcV, axis=-1)
+    return jnp.take_along_axis(logp_BcV, t_Bc[..., None], axis=-1)[..., 0], ent_Bc
+
+  n = chunk_count(T, chunk)
+  if n == 1:
+    logp_BT, ent_BT = columns(hidden_BTD, targets_BT)
+  else:
+    c = T // n
+    split = lambda x: jnp.moveaxis(x.reshape(B, c, n, *x.shape[2:]), 2, 0)  # noqa: E731  [n, B, c, ...]
+    logp_nBc, ent_nBc = jax.lax.map(
+      jax.checkpoint(lambda xs: columns(*xs)), (split(hidden_BTD), split(targets_BT))
+    )
+    logp_BT, ent_BT = (jnp.moveaxis(x, 0, 2).reshape(B, T) for x in (logp_nBc, ent_nBc))
+  shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)))  # noqa: E731  aligned with the predicted tokens
+  return shift(logp_BT), shift(ent_BT)

@@ -134,7 +134,18 @@ def gradients(
   """(gradient of the batch's loss, the loss, LossAux) — over `grad_accum` micro-batches run one after
   another when > 1 (a scan: one micro-batch's activations live at a time). There every micro-batch's
   numerator is divided by the whole batch's count (`loss_fn.count(batch)`, known before any forward), so
-  the summed gradients are exactly the whole batch's mean, not a mean of micro-batch means."""
+  the summed gradients are exactly the whole batch's mean, not a mean of micro-batch means.
+
+  A batch may carry its own count (`micro_batches`, static: an RL batch arranged on the host for it), and
+  a loss may need terms of the whole batch first (`loss_fn.whole_batch(batch)`, e.g. RL's group
+  advantages, whose groups span micro-batches): they are computed before the split."""
+  own = getattr(batch, "micro_batches", 1)
+  if own > 1 and grad_accum > 1 and own != grad_accum:
+    raise ValueError(f"the batch is arranged for {own} micro-batches, the step for grad_accum {grad_accum}")
+  grad_accum = max(own, grad_accum)
+  whole_batch = getattr(loss_fn, "whole_batch", None)
+  if whole_batch is not None:
+    batch = whole_batch(batch)
   if grad_accum == 1:
     count = None
   elif getattr(loss_fn, "count", None) is None:
