@@ -11,6 +11,10 @@ The platform is the one the program is compiled for: the devices of the meshes w
 | gpu      | "cudnn": `jax.nn.dot_product_attention`    | "tokamax" ragged dot if installed, else ragged |
 | tpu      | "splash" (tokamax), else "xla"             | "tokamax" if installed, else "ragged" (native) |
 
+The ragged expert dispatch (`dispatch="ragged_all_to_all"`) uses `jax.lax.ragged_all_to_all` where the
+platform has it (GPU, TPU) and `cpu_collectives.ragged_all_to_all`, a stand-in built from all_to_all, on
+XLA:CPU, which has no ragged-all-to-all (`native_ragged_all_to_all`).
+
 Decoding always uses the absorbed MLA form over the latent cache (attention.py), whatever the kernel.
 Shapes decide too: "auto" splash runs only when each query shard and the keys split into 128-row
 blocks (`attention_kernels.splash_fits`; else "xla"), and tokamax's Mosaic grouped matmul hands
@@ -28,6 +32,8 @@ from typing import Any
 import jax
 
 ATTENTION = {"cpu": "xla", "gpu": "cudnn", "tpu": "splash"}
+# Platforms whose XLA compiles ragged-all-to-all (XLA:CPU: "not supported by ... ThunkEmitter", jax #34755).
+NATIVE_RAGGED_ALL_TO_ALL = frozenset({"gpu", "tpu"})
 # Flags for asynchronous collectives that the scheduler can overlap with compute (Muon's all-to-alls under
 # other groups' Newton–Schulz matmuls, EP dispatch under expert matmuls). XLA:TPU keeps all-to-all
 # synchronous unless asked (verified in the compiled HLO: `all-to-all-start`/`-done` pairs appear only
@@ -71,6 +77,11 @@ def expert_impl(requested: str, meshes: Any = None) -> str:
   if where == "cpu":
     return "blocked"
   return "tokamax" if has_tokamax() else "ragged"
+
+
+def native_ragged_all_to_all(where: str) -> bool:
+  """Whether platform `where` ("cpu", "gpu", "tpu": of the mesh's devices) has `jax.lax.ragged_all_to_all`."""
+  return where in NATIVE_RAGGED_ALL_TO_ALL
 
 
 _RECORDING: list[dict[str, set[str]]] = []  # the open `record_kernels` blocks

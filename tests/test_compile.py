@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from composer_jax import configs, model, sharding
+from composer_jax.model import expert_parallel
 from composer_jax.plan import compile as compile_stage
 
 _EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "composer25.py"
@@ -42,11 +43,15 @@ def libtpu():
 needs_libtpu = pytest.mark.usefixtures("libtpu")
 
 
-def _tiny(topology: str, dense=(2, 1, 2), expert=(4, 1), step="train") -> configs.Config:
+def _composer25():
   spec = importlib.util.spec_from_file_location("composer25", _EXPERIMENT)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = configs.from_config(module.get_config("tiny"))
+  return module
+
+
+def _tiny(topology: str, dense=(2, 1, 2), expert=(4, 1), step="train") -> configs.Config:
+  config = configs.from_config(_composer25().get_config("tiny"))
   # Scanned layers, as the pod variants compile them (tiny unrolls them for XLA:CPU's speed; the plan
   # of an unrolled step without remat is 1.20x XLA:TPU's temp on this config, not a pod setting).
   return dataclasses.replace(
@@ -129,6 +134,39 @@ def test_compile_json_records_the_kernels_auto_resolves_to_on_tpu(monkeypatch, t
     "expert_impl": ["tokamax" if tokamax else "ragged"],
   }
   assert out["backend"] == want, out["backend"]
+
+
+@needs_libtpu
+def test_pod_ragged_dispatch_compiles_to_native_ragged_all_to_all_on_tpu():
+  """XLA:CPU has no ragged-all-to-all, so on a CPU mesh the ragged dispatch runs a stand-in built from
+  all_to_all (`cpu_collectives`); the choice is by the platform of the mesh's devices, and on TPU it must
+  stay XLA's own op. moonlight_16b's expert settings (ragged dispatch, ragged experts in 16 row chunks,
+  bf16) at small widths on v5p:2x2x1, forward and backward: jax emits 5 exchanges (token rows, expert
+  ids and results forward; the transposes of the two float ones backward), and XLA:TPU keeps every one
+  a ragged-all-to-all (about 5 s, most of it XLA's compile)."""
+  cfg = dataclasses.replace(
+    _composer25().moonlight_16b().model, d_model=128, moe_mlp_dim=128, n_experts=8, top_k=2
+  )
+  assert (cfg.dispatch, cfg.expert_impl, cfg.expert_chunks) == ("ragged_all_to_all", "ragged", 16)
+  meshes = sharding.build_meshes((4, 1, 1), (4, 1), compile_stage.topology_devices("v5p:2x2x1"))
+  D, F, E = cfg.d_model, cfg.moe_mlp_dim, cfg.n_experts
+
+  def loss(x_TD, ids_TK, *weights):
+    y_TKD, _ = expert_parallel.dispatch(x_TD, ids_TK, weights, cfg, meshes)
+    return jax.numpy.sum(y_TKD.astype(jax.numpy.float32) ** 2)
+
+  args = [
+    ((64, D), "bfloat16"),
+    ((64, 2), "int32"),
+    ((E, D, F), "float32"),
+    ((E, D, F), "float32"),
+    ((E, F, D), "float32"),
+  ]
+  lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4))).lower(
+    *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in args)
+  )
+  assert lowered.as_text().count("custom_call @ragged_all_to_all(") == 5
+  assert compile_stage.collectives(lowered.compile().as_text()).get("ragged-all-to-all") == 5
 
 
 def _fsdp_groups_are_rings(grid) -> bool:

@@ -654,14 +654,117 @@ def test_ragged_offsets_simulate_filling_receive_buffers(buffer_rows):
   assert (offsets_SP + sent_SP <= max(buffer_rows, 0)).all()
 
 
-@pytest.mark.parametrize("chunks", [0, 5])
-def test_ragged_all_to_all_dispatch_lowers(meshes, chunks):
-  """XLA:CPU cannot compile ragged-all-to-all (jax #34755), so on CPU only the lowering is checked;
-  its numerics need a GPU/TPU run. With 5 row chunks the receive buffer pads to a multiple of 5."""
-  cfg = _cfg(n_experts=8, top_k=2, dispatch="ragged_all_to_all", expert_impl="ragged", expert_chunks=chunks)
-  x_TD, ids_TK, weights = _ep_inputs(cfg, 64, seed=9)
-  text = _dispatch_fn(cfg, meshes).lower(x_TD, ids_TK, *weights).as_text()
-  assert "ragged_all_to_all" in text or "ragged-all-to-all" in text
+def np_ragged_kept(ids_TK, n_ep: int, local_experts: int, rows: int):
+  """Which assignments the ragged dispatch keeps [T, K]: device s (the s-th contiguous run of tokens)
+  sends each device p its assignments bound there, in assignment order; p's receive buffer of `rows`
+  rows takes sources 0, 1, ... in turn, each chunk after the last, and keeps what fits."""
+  T, K = ids_TK.shape
+  dest_SA = (ids_TK // local_experts).reshape(n_ep, -1)
+  kept_SA = np.zeros(dest_SA.shape, bool)
+  for p in range(n_ep):
+    room = rows
+    for s in range(n_ep):
+      mine = np.flatnonzero(dest_SA[s] == p)
+      kept_SA[s, mine[: max(0, min(len(mine), room))]] = True
+      room -= len(mine)
+  return kept_SA.reshape(T, K)
+
+
+def np_routed_moe(x_TD, router_DE, ids_TK, weights, cot_TD, kept_TK, cfg: ModelConfig):
+  """Routed experts at given expert ids (routing replay: weights from the sigmoid scores there,
+  renormalised, × routed_scaling_factor), combined, in float64: the output [T, D] and the gradients of
+  Σ output·cot for x, the router and the three expert weights, by hand. A dropped assignment gives zero
+  but keeps its share of the weights' normalisation."""
+  x, router = x_TD.astype(np.float64), router_DE.astype(np.float64)
+  w_gate, w_up, w_down = (w.astype(np.float64) for w in weights)
+  (T, K), c = ids_TK.shape, cfg.routed_scaling_factor
+  s_TE = _sigmoid(x @ router)
+  s_TK = np.take_along_axis(s_TE, ids_TK, -1)
+  norm_T1 = s_TK.sum(-1, keepdims=True) + 1e-20
+  w_A = (c * s_TK / norm_T1).reshape(-1)
+  t_A, e_A, kept_A1 = np.repeat(np.arange(T), K), ids_TK.reshape(-1), kept_TK.reshape(-1, 1)
+  x_AD, cot_AD = x[t_A], cot_TD.astype(np.float64)[t_A]
+  h_gate, h_up = np.einsum("ad,adf->af", x_AD, w_gate[e_A]), np.einsum("ad,adf->af", x_AD, w_up[e_A])
+  sig = _sigmoid(h_gate)
+  act_AF = h_gate * sig * h_up
+  y_AD = np.einsum("af,afd->ad", act_AF, w_down[e_A]) * kept_A1
+  out_TD = (w_A[:, None] * y_AD).reshape(T, K, -1).sum(1)
+  # Backward: the expert SwiGLU per assignment, then the combine weights into the router.
+  dy_AD = w_A[:, None] * cot_AD * kept_A1
+  d_act = np.einsum("ad,afd->af", dy_AD, w_down[e_A])
+  d_gate, d_up = d_act * h_up * sig * (1 + h_gate * (1 - sig)), d_act * h_gate * sig
+  grads = [np.zeros_like(w) for w in (w_gate, w_up, w_down)]
+  np.add.at(grads[0], e_A, np.einsum("ad,af->adf", x_AD, d_gate))
+  np.add.at(grads[1], e_A, np.einsum("ad,af->adf", x_AD, d_up))
+  np.add.at(grads[2], e_A, np.einsum("af,ad->afd", act_AF, dy_AD))
+  dx_TD = np.zeros_like(x)
+  np.add.at(
+    dx_TD, t_A, np.einsum("af,adf->ad", d_gate, w_gate[e_A]) + np.einsum("af,adf->ad", d_up, w_up[e_A])
+  )
+  dw_TK = (cot_AD * y_AD).sum(-1).reshape(T, K)
+  ds_TK = c * (dw_TK / norm_T1 - (dw_TK * s_TK).sum(-1, keepdims=True) / norm_T1**2)
+  dlogits_TE = np.zeros_like(s_TE)
+  np.add.at(dlogits_TE, (t_A, e_A), (ds_TK * s_TK * (1 - s_TK)).reshape(-1))
+  return out_TD, (dx_TD + dlogits_TE @ router.T, x.T @ dlogits_TE, *grads)
+
+
+def _routed_step(cfg: ModelConfig, meshes, ids_TK, cot_TD):
+  """jit(value_and_grad) of Σ output·cot for (x, router, w_gate, w_up, w_down): routing replay at
+  `ids_TK` (the router gets its gradient through the combine weights), the EP dispatch, the combine."""
+
+  def loss(x_TD, router_DE, *ws):
+    r = moe.route(x_TD @ router_DE, jnp.zeros((cfg.n_experts,)), cfg, jnp.asarray(ids_TK))
+    y_TKD, dropped = expert_parallel.dispatch(x_TD, r.expert_ids_TK, ws, cfg, meshes)
+    out_TD = moe.combine(y_TKD, r.weights_TK)
+    return jnp.sum(out_TD * cot_TD), (out_TD, dropped)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    # 2 experts per device; dropless buffers; experts 0, 13 (devices 0, 6) and 6, 7 (device 3) take every
+    # assignment: 12 experts and 5 devices get none.
+    dict(n_experts=16, capacity_factor=0.0, expert_chunks=0, skew=((6, 7), (0, 13)), rows=None),
+    # 1 expert per device; receive buffers of 16 rows (capacity factor 1 × 16 local assignments, in 4 row
+    # chunks as the pod variants run them): devices 3 and 5 get ~43 rows, 0 and 6 ~21, so rows drop.
+    dict(n_experts=8, capacity_factor=1.0, expert_chunks=4, skew=((3, 5), (0, 6)), rows=16),
+  ],
+  ids=["dropless_skew", "overflow"],
+)
+def test_ragged_dispatch_runs_on_cpu_with_exact_gradients(meshes, case):
+  """The ragged dispatch runs on the CPU mesh through `cpu_collectives.ragged_all_to_all` (XLA:CPU has
+  no ragged-all-to-all): output, dropped count and the gradients of x, the router and the expert
+  weights against NumPy, under skewed routing with empty experts and devices; without drops also
+  against the all_to_all dispatch. A receive buffer typed invariant (no `varying.vary_like`) sums its
+  rows' gradients over the devices and fails here."""
+  fields = {k: case[k] for k in ("n_experts", "capacity_factor", "expert_chunks")}
+  cfg = _cfg(top_k=2, routed_scaling_factor=2.5, expert_impl="ragged", dispatch="ragged_all_to_all", **fields)
+  x_TD, _, weights = _ep_inputs(cfg, 64, seed=16)
+  rng = np.random.default_rng(17)
+  router_DE = (0.3 * rng.standard_normal((cfg.d_model, cfg.n_experts))).astype(np.float32)
+  cot_TD = rng.standard_normal((64, cfg.d_model)).astype(np.float32)
+  ids_TK = np.tile(np.array([case["skew"][0]], np.int32), (64, 1))
+  ids_TK[::3] = case["skew"][1]
+  local_experts = cfg.n_experts // meshes.expert_parallelism
+  kept_TK = np.ones(ids_TK.shape, bool)
+  if case["rows"] is not None:
+    kept_TK = np_ragged_kept(ids_TK, meshes.expert_parallelism, local_experts, case["rows"])
+  assert len(np.unique(ids_TK)) == 4 and (kept_TK.all() if case["rows"] is None else (~kept_TK).sum() > 10)
+
+  (_, (out_TD, dropped)), grads = _routed_step(cfg, meshes, ids_TK, cot_TD)(x_TD, router_DE, *weights)
+  want_TD, want_grads = np_routed_moe(x_TD, router_DE, ids_TK, weights, cot_TD, kept_TK, cfg)
+  assert int(dropped) == np.sum(~kept_TK)
+  np.testing.assert_allclose(out_TD, want_TD, rtol=1e-5, atol=1e-5 * np.abs(want_TD).max())
+  for name, g, w in zip(("x", "router", "w_gate", "w_up", "w_down"), grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=name)
+  if case["rows"] is None:  # the all_to_all dispatch (dropless too) gives the same numbers
+    a2a = dataclasses.replace(cfg, dispatch="all_to_all")
+    (_, (a2a_TD, _)), a2a_grads = _routed_step(a2a, meshes, ids_TK, cot_TD)(x_TD, router_DE, *weights)
+    np.testing.assert_allclose(out_TD, a2a_TD, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, a2a_grads, strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
 
 
 def test_ragged_dispatch_backward_sums_no_rows_across_devices(meshes):
@@ -685,7 +788,8 @@ def test_ragged_dispatch_backward_sums_no_rows_across_devices(meshes):
         collect(sub)
 
   collect(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x_TD, *weights).jaxpr)
-  assert any(e.primitive.name == "ragged_all_to_all" for e in eqns)
+  # On the CPU mesh the stand-in (typed like the native op) is the exchange traced here.
+  assert any(e.primitive.name == "cpu_ragged_all_to_all" for e in eqns)
   summed = [
     e for e in eqns if e.primitive.name.startswith("psum") and any(v.aval.dtype.kind == "f" for v in e.invars)
   ]

@@ -9,7 +9,9 @@ back. Two transports behind `cfg.dispatch`:
 - "all_to_all": fixed-capacity padded buffers [P, C, D] and `jax.lax.all_to_all`. Works on every
   backend (XLA:CPU included). Assignments past C are dropped and counted.
 - "ragged_all_to_all": exact-size chunks with `jax.lax.ragged_all_to_all` into a receive buffer of
-  `capacity_factor`·A rows (GPU/TPU; XLA:CPU has no lowering). Rows past the buffer are counted.
+  `capacity_factor`·A rows. Rows past the buffer are counted. XLA:CPU has no ragged-all-to-all: on a
+  CPU mesh the same exchange runs through `cpu_collectives.ragged_all_to_all` (all_to_all of padded
+  chunks, typed like the native op), chosen by the platform of the mesh's devices.
 Buffer sizes are the bound on drops: `capacity_factor` > 0 sizes them to that multiple of a balanced
 share (drops possible, counted in the `overflow` metric); `capacity_factor` = 0 makes them dropless,
 sized for the worst case (`worst_case_rows`: every token of every device sending min(K, E/P) of its
@@ -28,8 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from composer_jax import sharding
-from composer_jax.model import varying
+from composer_jax import backend, sharding
+from composer_jax.model import cpu_collectives, varying
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import (
   W_DOWN_AXES,
@@ -182,8 +184,11 @@ def _ragged_body(x_TD, ids_TK, weights, cfg: ModelConfig, ep: sharding.ExpertLay
   sizes_SP = jax.lax.all_gather(sizes_P, ep.experts)  # every device's send counts
   out_offsets_SP, sent_SP = ragged_offsets(sizes_SP, rows)
 
+  native = backend.native_ragged_all_to_all(_platform(ep))
+  ragged_all_to_all = jax.lax.ragged_all_to_all if native else cpu_collectives.ragged_all_to_all
+
   def exchange(operand, output, in_offsets, send_sizes, out_offsets, recv_sizes):
-    return jax.lax.ragged_all_to_all(
+    return ragged_all_to_all(
       operand, output, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=ep.experts
     )
 
