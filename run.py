@@ -232,8 +232,10 @@ def _known_failure(e: Exception) -> tuple[str, int]:
 
   if isinstance(e, Interrupted):
     return f"{e}; what finished and what the stage saved are kept: rerun the same command to resume", 130
-  if isinstance(e, loop.Diverged | pipeline.GateFailed):
+  if isinstance(e, loop.Diverged | pipeline.GateFailed | loop.OutOfMemory):
     return str(e), 1
+  if (oom := loop.out_of_memory(e, "run", 0)) is not None:  # outside a training step (e.g. rollouts)
+    return str(oom).replace("[run] step 0 ran", "ran"), 1
   if type(e).__name__ in ("MissingUpstream", "MeshMismatch"):  # what to run first; the mesh to set
     return str(e), 2
   if type(e).__name__ in ("CheckpointError", "CheckpointSaveError"):  # orbax: imported by the stages

@@ -17,13 +17,15 @@ from tiny import TINY
 
 from composer_jax import configs, model, optim, rl, sharding, train
 from composer_jax.model import attention_kernels
+from composer_jax.plan import host
 from composer_jax.rl import batch as rl_batch_lib
 from composer_jax.rl import chat
 from composer_jax.rl import step as rl_step
 from composer_jax.rl.envs import toy
 from composer_jax.rl.loss import LossSettings
+from composer_jax.train import loop as train_loop
 from composer_jax.train.batch import place
-from composer_jax.train.step import gradients
+from composer_jax.train.step import gradients, make_step
 
 B, T = 2, 32
 
@@ -138,3 +140,137 @@ def test_micro_rows_fit_the_budget_and_the_devices():
   assert rl_batch_lib.micro_rows(64, 2048, 10000, multiple=4) == 4
   assert rl_batch_lib.micro_rows(64, 2048, 1000) == 1  # one rollout over the budget still runs
   assert rl_batch_lib.micro_rows(48, 512, 8192, multiple=4) == 16
+
+
+@dataclasses.dataclass
+class _State:
+  step: int = 0
+
+
+def test_an_update_out_of_memory_ends_the_run_in_one_line():
+  """XLA's RESOURCE_EXHAUSTED in a step is not a tolerated failure (the next batch of the shape needs as
+  much): `fit` stops at once with one line naming the knobs."""
+  calls = []
+
+  def step(state, batch):
+    calls.append(batch)
+    raise RuntimeError(
+      "XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating 37708888768 bytes.\n..."
+    )
+
+  hooks = train_loop.Hooks(next_batch=lambda s, state: (s, {}), tolerate_failures=True)
+  schedule = configs.ScheduleConfig(steps=5, log_every=1, eval_every=0, checkpoint_every=0)
+  with pytest.raises(train_loop.OutOfMemory) as e:
+    train_loop.fit(_State(), step, schedule, hooks, name="rl", eval_at_start=False)
+  assert calls == [1]  # not retried as a flaky step
+  line = str(e.value)
+  assert "\n" not in line and "step 1 ran out of memory" in line and "rl.update_tokens" in line
+  assert "37708888768 bytes" in line
+  assert train_loop.out_of_memory(ValueError("shapes differ"), "rl", 1) is None
+
+
+# --- one update of 64 rollouts x 2048 tokens within a memory bound ---------------------------------
+
+LONG_CFG = dataclasses.replace(TINY, vocab_size=272, max_position_embeddings=4096)
+LONG_RC = configs.RLConfig(
+  env="ledger", max_turns=21, max_turn_tokens=16, cache_len=1872, problems_per_step=8, group_size=8,
+  lambda_feedback=1.0, feedback_rows=8, feedback_tokens="turn", update_tokens=8 * 2048,
+)  # fmt: skip
+# XLA's accounting of the update (arguments + temporaries, all devices) may not exceed this; the same update
+# in one pass with whole-sequence attention needs ~9x more (checked below on one device).
+UPDATE_BOUND_GIB = 1.0
+
+
+def _long_batch(rows: int = 64, cols: int = 2048) -> rl_batch_lib.RLBatch:
+  """`rows` synthetic rollouts of 1500-2048 tokens padded to `cols`, the model's tokens in their second
+  half, 8 of them with a flagged turn whose hint + turn the teacher reads."""
+  rng = np.random.default_rng(2)
+  lengths = rng.integers(1500, cols + 1, rows)
+  live_BT = np.arange(cols)[None] < lengths[:, None]
+  F, N, L = 8, 16, 64
+  fb = rl_batch_lib.FeedbackBatch(
+    fb_rows=np.arange(0, 8 * F, 8, dtype=np.int32),
+    teacher_tokens=rng.integers(1, 256, (F, L)).astype(np.int32),
+    teacher_lengths=np.full((F,), 40, np.int32),
+    hint_start=np.full((F,), 1200, np.int32),
+    fb_cols=(1200 + np.arange(N))[None].repeat(F, 0).astype(np.int32),
+    teacher_cols=(24 + np.arange(N))[None].repeat(F, 0).astype(np.int32),
+    fb_mask=np.ones((F, N), np.float32),
+  )
+  return rl_batch_lib.RLBatch(
+    tokens=np.where(live_BT, rng.integers(1, 256, (rows, cols)), 0).astype(np.int32),
+    positions=np.where(live_BT, np.arange(cols)[None], 0).astype(np.int32),
+    segment_ids=live_BT.astype(np.int32),
+    loss_mask=(live_BT & (np.arange(cols)[None] >= 1000)).astype(np.float32),
+    sampler_logprobs=np.full((rows, cols), -1.0, np.float32),
+    rewards=rng.choice([0.0, 1.0], rows).astype(np.float32),
+    group_ids=(np.arange(rows) // 8).astype(np.int32),
+    feedback=fb,
+  )
+
+
+def _compiled_update(meshes, cfg, rc, batch):
+  """(the compiled RL step for `batch`, its state): the step as the rl stage builds it."""
+  ocfg = configs.stage_optimizer(configs.OptimizerConfig(), rc.schedule, lr=rc.lr, min_lr_ratio=1.0)
+  tx = rl_step.teacher_optimizer(optim.build_optimizer(cfg, ocfg, meshes), rc)
+  state = train.create_state(cfg, tx, jax.random.key(0), meshes)
+  step = make_step(
+    rl_step.loss_fn(cfg, LossSettings.of(rc), meshes), tx, cfg, schedule=optim.lr_schedule(ocfg),
+    meshes=meshes, state_sharding=train.state.state_shardings(state) if meshes is not None else None,
+  )  # fmt: skip
+  placed = place(batch, meshes)
+  return step.lower(state, placed).compile(), state, placed
+
+
+def _xla_bytes(compiled) -> int:
+  m = compiled.memory_analysis()
+  return m.argument_size_in_bytes + m.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_an_update_of_64_rollouts_of_2048_tokens_fits_the_bound(meshes, devices):
+  m = meshes if devices == 8 else None
+  batch = _long_batch()
+  rows = rl_batch_lib.micro_rows(64, 2048, LONG_RC.update_tokens, multiple=4 if m else 1)
+  assert rows == 8
+  compiled, state, placed = _compiled_update(
+    m, LONG_CFG, LONG_RC, rl_batch_lib.micro_batched(batch, 64 // rows)
+  )
+  used = _xla_bytes(compiled) * devices
+  assert used <= UPDATE_BOUND_GIB * 2**30, f"{used / 2**30:.2f} GiB"
+  planned = host.update_bytes(_long_config(devices), rows, 2048)  # the planner, against XLA's own count
+  assert 0.7 <= planned / used <= 1.6, (planned / 2**30, used / 2**30)
+  _, metrics = compiled(state, placed)
+  metrics = jax.device_get(metrics)
+  assert np.isfinite(metrics["loss"]) and metrics["skipped"] == 0 and metrics["feedback_tokens"] > 0
+  if devices == 1:  # the bound is meaningful: the update in one pass, whole-sequence attention, does not fit
+    whole = dataclasses.replace(LONG_CFG, attention_chunk=0)
+    before, _, _ = _compiled_update(None, whole, LONG_RC, batch)
+    assert _xla_bytes(before) > 4 * UPDATE_BOUND_GIB * 2**30, f"{_xla_bytes(before) / 2**30:.2f} GiB"
+
+
+def _long_config(devices: int, **rl) -> configs.Config:
+  mesh = configs.MeshConfig((4, 1, 2), (8, 1)) if devices == 8 else configs.MeshConfig((1, 1, 1), (1, 1))
+  return configs.Config(model=LONG_CFG, rl=dataclasses.replace(LONG_RC, **rl), mesh=mesh)
+
+
+def test_the_update_is_planned_to_fit_the_host():
+  """rl.update_tokens 0: the largest micro-batch whose planned update fits rl.update_memory of the host,
+  said in one line; a budget set by hand that does not fit, or a host too small for one rollout: refused
+  in one line naming the knob."""
+  small_host = 2 * 2**30  # 2 GiB: 0.5 GiB for the update
+  whole = host.update_bytes(_long_config(8), 64, 2048)
+  assert whole > small_host * 0.25  # the one-pass update does not fit there
+  tokens, line = host.resolve_update_tokens(_long_config(8, update_tokens=0), small_host)
+  micro = tokens // 2048
+  assert 4 <= micro < 64 and 64 % micro == 0 and micro % 4 == 0
+  assert host.update_bytes(_long_config(8), micro, 2048) <= 0.25 * small_host
+  assert host.update_bytes(_long_config(8), 2 * micro, 2048) > 0.25 * small_host or 2 * micro > 64
+  assert (
+    "\n" not in line and f"micro-batches of {micro} rollouts" in line and f"rl.update_tokens={tokens}" in line
+  )
+  assert host.resolve_update_tokens(_long_config(8, update_tokens=0), 64 * 2**30) == (-1, "")  # fits whole
+  with pytest.raises(host.UpdateDoesNotFit, match="rl.update_tokens=-1"):
+    host.resolve_update_tokens(_long_config(8, update_tokens=-1), small_host)
+  with pytest.raises(host.UpdateDoesNotFit, match="rl.cache_len"):
+    host.resolve_update_tokens(_long_config(8, update_tokens=0), 2**26)

@@ -97,6 +97,26 @@ class Diverged(RuntimeError):
   """Too many non-finite steps in a row: the run stops without saving (the last checkpoint stays good)."""
 
 
+class OutOfMemory(RuntimeError):
+  """A step needed more memory than the device (on CPU: the host) has. Not tolerated like other failed
+  steps: the next batch of the same shape needs the same memory."""
+
+
+_MEMORY_KNOBS = (
+  "make the step smaller: rl.update_tokens or rl.update_memory (RL: micro-batches), train.grad_accum or "
+  "model.remat (pretraining, SFT)"
+)
+
+
+def out_of_memory(e: BaseException, name: str, step: int) -> OutOfMemory | None:
+  """The one-line `OutOfMemory` for XLA's RESOURCE_EXHAUSTED (an allocation that failed), else None."""
+  text = str(e)
+  if "RESOURCE_EXHAUSTED" not in text:
+    return None
+  line = next((x.strip() for x in text.splitlines() if "RESOURCE_EXHAUSTED" in x), text.strip())[:200]
+  return OutOfMemory(f"[{name}] step {step} ran out of memory ({line}); {_MEMORY_KNOBS}")
+
+
 class _Stop:
   """Set by SIGINT/SIGTERM while a loop runs; a second SIGINT raises KeyboardInterrupt.
 
@@ -247,6 +267,8 @@ def fit(
         t_dispatch = time.perf_counter()
         state, metrics = step_fn(state, batch)  # dispatched; the previous step's metrics are read below
       except Exception as e:
+        if (oom := out_of_memory(e, name, s)) is not None:
+          raise oom from e
         failed_in_a_row += 1
         if not hooks.tolerate_failures or failed_in_a_row >= max_failed_in_a_row:
           raise
