@@ -4,8 +4,8 @@
   python benchmarks/rl_update_memory.py --lengths 512   # some lengths only
 
 The tiny model of `experiments/composer25.py` (the rl stage's model, with a frozen teacher) on 64 synthetic
-rollouts (8 problems x 8) of 75-100 % of the padded length T, the model's tokens in their second half, 32
-of them with a flagged turn (hint + turn of 64 tokens); T in 512, 1024, 2048; on the default 8-device meshes
+rollouts (`rl.batch.synthetic_batch`: 8 problems x 8, 75-100 % of the padded length T, 32 of them with a
+teacher row); T in 512, 1024, 2048; on the default 8-device meshes
 and on one device. Two paths:
   before  the whole batch in one pass, whole-sequence attention (model.attention_chunk 0);
   after   the defaults: attention over query chunks of 512, the update in the micro-batches `plan.host`
@@ -30,7 +30,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
@@ -61,34 +60,6 @@ def _config(devices: int, length: int, path: str):
   )
 
 
-def _batch(rows: int, length: int, flagged: int):
-  """Synthetic rollouts (see the module docstring) as an `RLBatch`."""
-
-  rng = np.random.default_rng(0)
-  lengths = rng.integers(3 * length // 4, length + 1, rows)
-  live = np.arange(length)[None] < lengths[:, None]
-  n, big_l, start = 16, 64, length // 2
-  fb = rl_batch.FeedbackBatch(
-    fb_rows=(np.arange(flagged) * (rows // flagged)).astype(np.int32),
-    teacher_tokens=rng.integers(1, 256, (flagged, big_l)).astype(np.int32),
-    teacher_lengths=np.full((flagged,), 40, np.int32),
-    hint_start=np.full((flagged,), start, np.int32),
-    fb_cols=(start + np.arange(n))[None].repeat(flagged, 0).astype(np.int32),
-    teacher_cols=(24 + np.arange(n))[None].repeat(flagged, 0).astype(np.int32),
-    fb_mask=np.ones((flagged, n), np.float32),
-  )
-  return rl_batch.RLBatch(
-    tokens=np.where(live, rng.integers(1, 256, (rows, length)), 0).astype(np.int32),
-    positions=np.where(live, np.arange(length)[None], 0).astype(np.int32),
-    segment_ids=live.astype(np.int32),
-    loss_mask=(live & (np.arange(length)[None] >= start)).astype(np.float32),
-    sampler_logprobs=np.full((rows, length), -1.0, np.float32),
-    rewards=rng.choice([0.0, 1.0], rows).astype(np.float32),
-    group_ids=(np.arange(rows) // 8).astype(np.int32),
-    feedback=fb,
-  )
-
-
 def run_cell(devices: int, length: int, path: str, steps: int) -> dict:
   """One cell in this process (its device count set before jax starts)."""
 
@@ -108,7 +79,9 @@ def run_cell(devices: int, length: int, path: str, steps: int) -> dict:
     rl_step.loss_fn(config.model, LossSettings.of(rc), meshes), tx, config.model,
     schedule=optim.lr_schedule(ocfg), meshes=meshes, state_sharding=train.state.state_shardings(state),
   )  # fmt: skip
-  batch = place(rl_batch.micro_batched(_batch(rows, length, rc.feedback_rows), rows // micro), meshes)
+  batch = place(
+    rl_batch.micro_batched(rl_batch.synthetic_batch(rows, length, rc.feedback_rows), rows // micro), meshes
+  )
   t0 = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   mem = compiled.memory_analysis()

@@ -181,34 +181,6 @@ LONG_RC = configs.RLConfig(
 UPDATE_BOUND_GIB = 1.0
 
 
-def _long_batch(rows: int = 64, cols: int = 2048) -> rl_batch_lib.RLBatch:
-  """`rows` synthetic rollouts of 1500-2048 tokens padded to `cols`, the model's tokens in their second
-  half, 8 of them with a flagged turn whose hint + turn the teacher reads."""
-  rng = np.random.default_rng(2)
-  lengths = rng.integers(1500, cols + 1, rows)
-  live_BT = np.arange(cols)[None] < lengths[:, None]
-  F, N, L = 8, 16, 64
-  fb = rl_batch_lib.FeedbackBatch(
-    fb_rows=np.arange(0, 8 * F, 8, dtype=np.int32),
-    teacher_tokens=rng.integers(1, 256, (F, L)).astype(np.int32),
-    teacher_lengths=np.full((F,), 40, np.int32),
-    hint_start=np.full((F,), 1200, np.int32),
-    fb_cols=(1200 + np.arange(N))[None].repeat(F, 0).astype(np.int32),
-    teacher_cols=(24 + np.arange(N))[None].repeat(F, 0).astype(np.int32),
-    fb_mask=np.ones((F, N), np.float32),
-  )
-  return rl_batch_lib.RLBatch(
-    tokens=np.where(live_BT, rng.integers(1, 256, (rows, cols)), 0).astype(np.int32),
-    positions=np.where(live_BT, np.arange(cols)[None], 0).astype(np.int32),
-    segment_ids=live_BT.astype(np.int32),
-    loss_mask=(live_BT & (np.arange(cols)[None] >= 1000)).astype(np.float32),
-    sampler_logprobs=np.full((rows, cols), -1.0, np.float32),
-    rewards=rng.choice([0.0, 1.0], rows).astype(np.float32),
-    group_ids=(np.arange(rows) // 8).astype(np.int32),
-    feedback=fb,
-  )
-
-
 def _compiled_update(meshes, cfg, rc, batch):
   """(the compiled RL step for `batch`, its state): the step as the rl stage builds it."""
   ocfg = configs.stage_optimizer(configs.OptimizerConfig(), rc.schedule, lr=rc.lr, min_lr_ratio=1.0)
@@ -230,7 +202,7 @@ def _xla_bytes(compiled) -> int:
 @pytest.mark.parametrize("devices", [1, 8])
 def test_an_update_of_64_rollouts_of_2048_tokens_fits_the_bound(meshes, devices):
   m = meshes if devices == 8 else None
-  batch = _long_batch()
+  batch = rl_batch_lib.synthetic_batch(64, 2048, flagged=8)
   rows = rl_batch_lib.micro_rows(64, 2048, LONG_RC.update_tokens, multiple=4 if m else 1)
   assert rows == 8
   compiled, state, placed = _compiled_update(

@@ -253,3 +253,33 @@ def micro_batched(batch: RLBatch, n: int) -> RLBatch:
     fb_mask=padded("fb_mask", 0.0),
   )
   return out.replace(feedback=new_fb)
+
+
+def synthetic_batch(rows: int, length: int, flagged: int, seed: int = 0) -> RLBatch:
+  """Made-up rollouts of the RL step's shapes, for memory and speed checks that must not depend on what a
+  policy writes: `rows` rollouts of 75-100 % of `length` tokens (the padded length), the model's tokens in
+  their second half, groups of 8, rewards 0 or 1, and `flagged` of them (evenly spaced) with a teacher row
+  (a 40-token hint + turn, 16 of the turn's tokens aligned with the student's from the middle)."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(3 * length // 4, length + 1, rows)
+  live = np.arange(length)[None] < lengths[:, None]
+  n, big_l, start = 16, 64, length // 2
+  fb = FeedbackBatch(
+    fb_rows=(np.arange(flagged) * (rows // max(flagged, 1))).astype(np.int32),
+    teacher_tokens=rng.integers(1, 256, (flagged, big_l)).astype(np.int32),
+    teacher_lengths=np.full((flagged,), 40, np.int32),
+    hint_start=np.full((flagged,), start, np.int32),
+    fb_cols=(start + np.arange(n))[None].repeat(flagged, 0).astype(np.int32),
+    teacher_cols=(24 + np.arange(n))[None].repeat(flagged, 0).astype(np.int32),
+    fb_mask=np.ones((flagged, n), np.float32),
+  )
+  return RLBatch(
+    tokens=np.where(live, rng.integers(1, 256, (rows, length)), 0).astype(np.int32),
+    positions=np.where(live, np.arange(length)[None], 0).astype(np.int32),
+    segment_ids=live.astype(np.int32),
+    loss_mask=(live & (np.arange(length)[None] >= start)).astype(np.float32),
+    sampler_logprobs=np.full((rows, length), -1.0, np.float32),
+    rewards=rng.choice([0.0, 1.0], rows).astype(np.float32),
+    group_ids=(np.arange(rows) // 8).astype(np.int32),
+    feedback=fb if flagged else None,
+  )
