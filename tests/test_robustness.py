@@ -168,10 +168,11 @@ def test_raising_steps_trains_on_and_a_refused_change_damages_nothing(straight, 
 
 
 def _on_a_full_disk(
-  tmp_path, corpus_dir, kib: int, *extra: str, where: str = "checkpoints"
+  tmp_path, corpus_dir, kib: int, *extra: str, where: str = "checkpoints", fill: dict | None = None
 ) -> tuple[subprocess.CompletedProcess, str]:
   """run.py with `<tmp_path>/w/<where>` on a `kib` KiB tmpfs (bubblewrap mount namespace): (the run,
-  `ls -AR` of the full disk when it ended). The run must end in one line naming the full disk."""
+  `ls -AR` of the full disk when it ended). The run must end in one line naming the full disk. With
+  `fill` (environment variables), tests/full_disk_run.py instead: run.py on a disk filled at a set moment."""
   if not sandbox.available():
     pytest.skip("bubblewrap not installed (the full disk is a size-capped tmpfs in a mount namespace)")
   small = tmp_path / "small"
@@ -179,10 +180,14 @@ def _on_a_full_disk(
   (tmp_path / "w").mkdir()
   os.symlink(small, tmp_path / "w" / where)
   listing = tmp_path / "left_on_the_full_disk.txt"
-  inner = " ".join(map(shlex.quote, _cmd(tmp_path / "w", corpus_dir, *extra)))
+  cmd = _cmd(tmp_path / "w", corpus_dir, *extra)
+  if fill is not None:
+    cmd[1] = "tests/full_disk_run.py"
+  inner = " ".join(map(shlex.quote, cmd))
   script = f"{inner}; rc=$?; ls -AR {shlex.quote(str(small))} > {shlex.quote(str(listing))}; exit $rc"
   wrap = ["bwrap", "--dev-bind", "/", "/", "--size", str(kib * 1024), "--tmpfs", str(small), "--", "sh", "-c"]
-  p = subprocess.run(wrap + [script], cwd=_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+  env = {**_env(), **(fill or {})}
+  p = subprocess.run(wrap + [script], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
   last = p.stderr.strip().splitlines()[-1]
   assert p.returncode == 1 and last.startswith("run.py: ") and "No space left on device" in last, p.stderr[
     -3000:
@@ -193,25 +198,55 @@ def _on_a_full_disk(
 
 def test_a_full_disk_stops_the_run_at_once_and_leaves_no_partial_checkpoint(straight, corpus_dir, tmp_path):
   """The first save fails with ENOSPC; the run stops with one line, no `*.orbax-checkpoint-tmp*` is left,
-  and with room again the same command finishes."""
+  and with room again the same command finishes. There, the partial checkpoint a crash (SIGKILL, power
+  loss) would leave is waiting in the checkpoint directory: the rerun removes it, in one line naming it."""
   p, listing = _on_a_full_disk(tmp_path, corpus_dir, 64)
   assert "saving a checkpoint" in p.stderr.strip().splitlines()[-1]
   records = [json.loads(r) for r in (tmp_path / "w" / "metrics" / "metrics.jsonl").read_text().splitlines()]
   assert max(r["step"] for r in records) <= 4  # stopped at once, not after the remaining steps
   assert "orbax-checkpoint-tmp" not in listing  # what the full disk held when the run ended
   os.unlink(tmp_path / "w" / "checkpoints")
+  stale = tmp_path / "w" / "checkpoints" / "2.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"
+  stale.mkdir(parents=True)
+  (stale / "_METADATA").write_text("{")  # cut short
   ok = _run(tmp_path / "w", corpus_dir)
   assert ok.returncode == 0, ok.stderr[-3000:]
+  removed = [line for line in ok.stderr.splitlines() if "orbax-checkpoint-tmp" in line]
+  assert len(removed) == 1 and "removed 2.orbax-checkpoint-tmp" in removed[0], ok.stderr[-3000:]
+  assert not list((tmp_path / "w" / "checkpoints").glob("*orbax-checkpoint-tmp*"))
   _assert_same_params(_params(tmp_path / "w", 8), _params(straight[0], 8))
 
 
+def _listed(listing: str) -> dict[str, list[str]]:
+  """`ls -AR` output as {directory: its entries}."""
+  out = {}
+  for block in listing.strip().split("\n\n"):
+    head, _, body = block.partition("\n")
+    out[head.rstrip(":")] = body.split()
+  return out
+
+
 def test_a_full_final_save_is_one_line_and_keeps_the_last_checkpoint(corpus_dir, tmp_path):
-  """Room for one checkpoint (0.7-0.95 MB each): step 4's save completes, the final one (step 8) fails
-  while the stage closes its checkpointer, which used to end in orbax's traceback."""
-  p, listing = _on_a_full_disk(tmp_path, corpus_dir, 1500, "--config.train.schedule.checkpoint_every=4")
-  assert "saving a checkpoint" in p.stderr.strip().splitlines()[-1] and "kept: [4]" in p.stderr
-  top = listing.split("\n\n")[0].split()
-  assert "4" in top and "8" not in top and "orbax-checkpoint-tmp" not in listing
+  """Checkpoints at steps 4 and 8 on a 16 MB disk that fills up at a set moment, the same on every run
+  (tests/full_disk_run.py): step 4's save is held just before it commits (data written; checksums and
+  rename to `4` not yet) until the final save, of step 8, has started and filled the disk but for 64 KB,
+  room to finish step 4, never to write step 8 (a checkpoint here takes 0.7-3 MB: its OCDBT files vary
+  with timing). So the final save starts while step 4's is in flight, waits for it, and fails.
+
+  The one allowed outcome: a last line naming the full disk and `kept: [4]`, no traceback; left on the
+  disk: step 4, complete (its checksums written, renamed from its temporary name), the filler, and no
+  temporary directory of either save."""
+  fill = {"FULL_DISK_AT": "8", "HOLD_SAVE": "4"}
+  every = "--config.train.schedule.checkpoint_every=4"
+  p, listing = _on_a_full_disk(tmp_path, corpus_dir, 16384, every, fill=fill)
+  last = p.stderr.strip().splitlines()[-1]
+  assert "saving a checkpoint" in last and "kept: [4];" in last, p.stderr[-3000:]
+  dirs = _listed(listing)
+  top = dirs[str(tmp_path / "small")]
+  assert sorted(top) == ["4", "disk_filler"] and "orbax-checkpoint-tmp" not in listing, listing
+  assert {"checksums.process_0.json", "commit_success.txt", "state", "meta"} <= set(
+    dirs[str(tmp_path / "small" / "4")]
+  )
 
 
 def test_a_full_disk_while_preparing_the_data_is_one_line(corpus_dir, tmp_path):

@@ -13,8 +13,12 @@ Safety:
   (never deleted) by all processes together (verdicts combined, process 0's newest step restored by all)
   and the next older one is used, with one line saying so. No readable checkpoint left →
   `CheckpointError`, never a silent fresh start.
-- A save that fails (a full disk, a permission change) raises `CheckpointSaveError` at once — also an
-  async one, at the next `check()` — with its temporary directory removed.
+- A save that fails (a full disk, a permission change) raises `CheckpointSaveError` — an async one at the
+  first `check()` after it ended, or at `wait`/`close` — once every writer of that save has stopped and
+  its temporary directory is removed; the message lists the checkpoints on disk, which are kept (a
+  failed save never deletes the older ones it was to replace).
+- A temporary directory that a crash (SIGKILL, power loss) left is removed, with one line, when the
+  directory is next opened.
 - An incompatible checkpoint (another model, optimizer or data config) raises, naming each field.
 
 Multi-process: every process calls `save` and `restore`, so the directory must be storage that every
@@ -29,6 +33,8 @@ import hashlib
 import json
 import pathlib
 import shutil
+import threading
+import time
 from typing import Any
 
 import jax
@@ -40,6 +46,7 @@ from composer_jax.strict import fingerprint
 from composer_jax.train.state import TrainState
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
+_WRITERS_TIMEOUT_S = 600  # how long a failed save's last writers may take to stop before its files go
 
 
 class CheckpointError(RuntimeError):
@@ -126,14 +133,17 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).absolute()
     self.record, self.fingerprint, self.notes = record, fingerprint(record), dict(notes or {})
     self._keep, self._async = keep, async_save
+    self._pending = False  # a save started whose outcome `check` has not seen yet
+    self._writers: list[threading.Thread] = []  # the threads of the last save
     self._manager = self._open()
 
   def _open(self) -> ocp.CheckpointManager:
+    self._remove_stale_partial_saves()
     options = ocp.CheckpointManagerOptions(
       max_to_keep=self._keep,
       enable_async_checkpointing=self._async,
       create=True,
-      cleanup_tmp_directories=True,  # what a crashed save left behind
+      cleanup_tmp_directories=True,  # (finds none of ours: see `_remove_stale_partial_saves`)
       async_options=ocp.AsyncOptions(post_finalization_callback=self._checksum_new_steps)
       if self._async
       else None,
@@ -157,23 +167,63 @@ class Checkpointer:
     return list(self._manager.all_steps())
 
   def check(self) -> None:
-    """Raises CheckpointSaveError if an earlier async save failed (cheap: call it every step)."""
+    """Raises CheckpointSaveError if the last async save failed. A save still in flight is not waited
+    for: its failure is raised by the first call after it ended (or by `wait`, `save`, `close`). Cheap:
+    call it every step.
+
+    Never orbax's `check_for_errors()`: it hands a failed save's error to whichever thread asks first,
+    and when this one asked first, orbax's finalize thread saw no error and finished the save as if it
+    had succeeded (deleting the older checkpoints it was to replace) while this one cleaned up."""
+    if self._pending and not self._manager.is_saving_in_progress():
+      self._settle()
+
+  def _settle(self) -> None:
+    """Waits for the save in flight, if any; one that failed raises CheckpointSaveError."""
     try:
-      self._manager.check_for_errors()
+      self._manager.wait_until_finished()
     except Exception as e:
       self._failed(e)
+    self._pending, self._writers = False, []
 
   def _remove_partial_saves(self) -> None:
     """Deletes `<step>.orbax-checkpoint-tmp*` directories: only call it when no save is in flight."""
     for tmp in self.directory.glob(f"*{_TMP_MARK}*"):
       shutil.rmtree(tmp, ignore_errors=True)
 
+  def _remove_stale_partial_saves(self) -> None:
+    """What a save cut short by a crash (SIGKILL, power loss) left: removed by process 0, with one line,
+    before the manager opens (no save of this directory is in flight then, and every process's first
+    save starts behind a barrier that process 0 reaches only after this)."""
+    if jax.process_index() != 0 or not self.directory.is_dir():
+      return
+    stale = sorted(self.directory.glob(f"*{_TMP_MARK}*"))
+    if not stale:
+      return
+    for tmp in stale:
+      shutil.rmtree(tmp, ignore_errors=True)
+    logging.warning(
+      "[checkpoint] removed %s under %s: the partial checkpoint(s) of a save that did not finish (a crash?)",
+      ", ".join(p.name for p in stale),
+      self.directory,
+    )
+
+  def _stop_writers(self) -> None:
+    """Waits until every thread of the last save has ended. Orbax reports a save's first failed writer
+    at once while its others go on writing, and tensorstore recreates the directories it writes into: a
+    temporary directory removed before they end comes back."""
+    deadline = time.monotonic() + _WRITERS_TIMEOUT_S
+    for t in self._writers:  # Thread.join itself: orbax's subclasses re-raise (and use up) the error
+      threading.Thread.join(t, max(0.0, deadline - time.monotonic()))
+    if running := [t.name for t in self._writers if t.is_alive()]:
+      logging.warning("[checkpoint] writers of the failed save still running: %s", ", ".join(running))
+    self._writers = []
+
   def _failed(self, e: BaseException) -> None:
-    try:  # the failed save's other writers may still be running: let them end before deleting
-      self._manager.wait_until_finished()
-    except Exception:
-      pass
+    self._pending = False
+    self._stop_writers()
     self._remove_partial_saves()
+    with contextlib.suppress(Exception):  # the steps on disk, not orbax's list (it dropped the ones
+      self._manager.reload()  # the failed save was to replace, which a failed save never removes)
     reason = _root_reason(e)
     raise CheckpointSaveError(
       f"saving a checkpoint under {self.directory} failed ({reason}); the run stopped. Steps saved "
@@ -188,19 +238,22 @@ class Checkpointer:
       return False
     meta = {"step": step, "data_state": data_state, "fingerprint": self.fingerprint, "config": self.record}
     meta["notes"] = self.notes
+    # One save in flight at a time: the next waits for the last to commit. Two would need the disk and
+    # host memory of both, and on a nearly full disk the older one could lose its room to the newer.
+    self._settle()
+    before = set(threading.enumerate())
     try:
-      # One save in flight at a time: the next waits for the last to commit. Two would need the disk and
-      # host memory of both, and on a nearly full disk the older one could lose its room to the newer.
-      self._manager.wait_until_finished()
       saved = self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
         force=force,
       )
-      if not self._async and saved:
-        self._checksum_new_steps()
-    except Exception as e:
+    except Exception as e:  # its writers that had started may still be running: `_failed` waits for them
+      self._writers = _save_threads(before)
       self._failed(e)
+    self._writers, self._pending = _save_threads(before), saved
+    if not self._async and saved:
+      self.wait()
     return saved
 
   def read_meta(self, step: int) -> dict:
@@ -280,12 +333,9 @@ class Checkpointer:
   def wait(self) -> None:
     """Waits for pending saves; one that failed (e.g. the final save on a full disk) raises
     CheckpointSaveError, like a failure that `check` finds."""
+    self._settle()
     try:
-      self._manager.wait_until_finished()
-      self.check()
       self._checksum_new_steps()
-    except CheckpointSaveError:
-      raise
     except Exception as e:
       self._failed(e)
 
@@ -302,6 +352,17 @@ class Checkpointer:
       self._manager.close()
     finally:
       self._remove_partial_saves()  # nothing is in flight now: a tmp directory left is a failed save's
+
+
+def _save_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+  """The threads a save started (those alive now that were not in `before`) that write its files: its
+  commit futures and its finalize thread (orbax's own thread classes) and the `async_save` thread that
+  waits for them; not the thread pools orbax starts once and keeps (metadata_store_*, asyncio_*)."""
+  return [
+    t
+    for t in threading.enumerate()
+    if t not in before and (type(t).__module__.startswith("orbax.") or t.name == "async_save")
+  ]
 
 
 def _root_reason(e: BaseException) -> str:
