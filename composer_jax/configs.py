@@ -94,7 +94,8 @@ class DataConfig:
   """The pretraining corpus (`data.corpus`) and its tokenizer."""
 
   # Every stage's tokenizer (pretraining text and the chat turns of sft/gate/rl): "byte" (267 ids) | "bpe"
-  # (the shipped 4,096-token BPE) | a checkpoint directory with tokenizer.json (init_from sets it).
+  # (the shipped 4,096-token BPE) | a checkpoint directory with tokenizer.json or a Kimi-family tiktoken.model
+  # (init_from sets it).
   tokenizer: str = "byte"
   src_dir: str | None = None  # None: this Python's standard library
   max_files: int | None = None  # None: all files

@@ -1,11 +1,15 @@
 """Starting from a Hugging Face checkpoint directory (`--config.init_from`): a tiny DeepseekV3 checkpoint
-written by `model.save_hf_checkpoint`, with its own `tokenizer.json`, runs through demo and pretrain."""
+written by `model.save_hf_checkpoint`, with its own `tokenizer.json`, runs through demo and pretrain; one
+with a Kimi-style `tiktoken.model` (mergeable ranks) and `tokenizer_config.json` (special tokens) instead
+pretrains and goes on to SFT, or stops there in one line when the turn format's tokens are not named."""
 
+import base64
 import dataclasses
 import functools
 import importlib.util
 import json
 import pathlib
+import sys
 
 import jax
 import numpy as np
@@ -212,14 +216,126 @@ def test_a_tokenizer_without_the_chat_tokens_is_refused_in_one_line(
   assert not any(tmp_path.iterdir())  # refused before any work
 
 
-def test_a_checkpoint_with_only_a_tiktoken_tokenizer_is_refused_in_one_line(hf_dir, tmp_path):
-  """Kimi/Moonlight-style checkpoints ship tiktoken.model: without a tokenizer.json the run stops
-  before any work instead of tokenizing with another vocabulary."""
+def test_a_checkpoint_whose_tokenizer_cannot_be_read_is_refused_in_one_line(hf_dir, tmp_path, monkeypatch):
+  """A tokenizer only in some other tiktoken file, or a tiktoken.model without the tiktoken package: the run
+  stops before any work instead of tokenizing with another vocabulary."""
   d = tmp_path / "ckpt"
   d.mkdir()
   (d / "config.json").write_text((hf_dir / "config.json").read_text())
-  (d / "tiktoken.model").write_text("")
-  with pytest.raises(configs.ConfigError, match="tiktoken.model and no tokenizer.json"):
+  (d / "o200k.tiktoken").write_text("")
+  with pytest.raises(
+    configs.ConfigError, match="o200k.tiktoken, and neither tokenizer.json nor tiktoken.model"
+  ):
     configs.resolve(dataclasses.replace(configs.Config(), init_from=str(d)))
-  (d / "tiktoken.model").unlink()  # no tokenizer file at all: the config's own tokenizer stays
+  (d / "o200k.tiktoken").unlink()  # no tokenizer file at all: the config's own tokenizer stays
   assert configs.resolve(dataclasses.replace(configs.Config(), init_from=str(d))).data.tokenizer == "byte"
+  (d / "tiktoken.model").write_text("")
+  monkeypatch.setitem(sys.modules, "tiktoken", None)  # as if the extra were not installed
+  with pytest.raises(
+    configs.ConfigError, match=r"tiktoken.model, which needs the tiktoken package: .*\[tiktoken\]"
+  ):
+    configs.resolve(dataclasses.replace(configs.Config(), init_from=str(d)))
+
+
+# --- a Kimi-style tiktoken checkpoint -----------------------------------------------------------------------
+
+# Pieces of the test corpus and of the checks below; each becomes a chain of merges (its prefixes).
+_PIECES = ["def", " f", "(x", "):", "\n", "  ", " return", " x", " *", "文", "English", "中文", "文E"]
+
+
+def write_tiktoken(d: pathlib.Path, chat_tokens: bool) -> int:
+  """`d/tiktoken.model` (the 256 bytes, then every prefix of `_PIECES`, and "x " first among the merges) and
+  `d/tokenizer_config.json` ([BOS], [EOS] and [PAD] after the ranks, the turn format's tokens too when
+  `chat_tokens`); returns the number of ranks."""
+  ranks = {bytes([b]): b for b in range(256)}
+  for piece in ["x ", *_PIECES]:
+    raw = piece.encode()
+    for k in range(2, len(raw) + 1):
+      ranks.setdefault(raw[:k], len(ranks))
+  lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in ranks.items()]
+  (d / "tiktoken.model").write_text("\n".join(lines) + "\n")
+  n = len(ranks)
+  names = {n: "[BOS]", n + 1: "[EOS]", n + 255: "[PAD]"}
+  names |= {n + 2 + i: t for i, t in enumerate(chat.CHAT_TOKENS)} if chat_tokens else {}
+  conf = {
+    "bos_token": "[BOS]",
+    "eos_token": "[EOS]",
+    "pad_token": "[PAD]",
+    "added_tokens_decoder": {str(i): {"content": t, "special": True} for i, t in names.items()},
+  }
+  (d / "tokenizer_config.json").write_text(json.dumps(conf))
+  return n
+
+
+def _tiktoken_checkpoint(d: pathlib.Path, chat_tokens: bool) -> pathlib.Path:
+  n = write_tiktoken(d, chat_tokens)
+  cfg = dataclasses.replace(TINY, vocab_size=n + tokenizer.RESERVED_SPECIAL_IDS)
+  model.save_hf_checkpoint(model.init(cfg, jax.random.key(7)), cfg, str(d))
+  return d
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory) -> pathlib.Path:
+  """A tiny random checkpoint with a tiktoken tokenizer that names the turn format's tokens."""
+  return _tiktoken_checkpoint(tmp_path_factory.mktemp("kimi"), chat_tokens=True)
+
+
+def test_a_tiktoken_tokenizer_reads_ranks_pattern_and_special_tokens(tmp_path):
+  n = write_tiktoken(tmp_path, chat_tokens=False)
+  tok = tokenizer.load(str(tmp_path))
+  ranks = tokenizer.read_ranks(tmp_path / "tiktoken.model")
+  assert isinstance(tok, tokenizer.TiktokenTokenizer) and tok.vocab_size == n + 256 == len(ranks) + 256
+  assert tok.encode("def f(x):") == [ranks[b"def"], ranks[b" f"], ranks[b"(x"], ranks[b"):"]]
+  # The Kimi pattern splits before merging: a space starts the next piece ("x" | " y", never "x "), and a
+  # Han run is a piece of its own ("文" | "English", never "文E").
+  assert tok.encode("x y") == [ranks[b"x"], ranks[b" "], ranks[b"y"]]  # the merge "x " never applies
+  assert tok.encode("文English") == [ranks["文".encode()], ranks[b"English"]]
+  for text in ["def f(x):\n  return x * 3\n", "中文English混合 ünïcödé 🙂\t\r\n", ""]:
+    assert tok.decode(tok.encode(text)) == text
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (n, n + 1, n + 255)
+  assert tok.decode([tok.eos_id]) == "[EOS]" and tok.encode("[EOS]") != [tok.eos_id]  # in text: text
+  assert tok.special_id(f"<|reserved_token_{n + 7}|>") == n + 7 and tok.is_special(n + 7)
+  assert not tok.is_special(n - 1) and tok.missing(["[EOS]", "<|user|>"]) == ["<|user|>"]
+  with pytest.raises(KeyError, match="no <\\|user\\|> token"):
+    tok.special_id("<|user|>")
+  (tmp_path / "tiktoken.model").write_text("ZGVm 0\nZGVm 2\n")
+  with pytest.raises(ValueError, match="ranks of its 1 tokens are not 0..0"):
+    tokenizer.load(str(tmp_path))
+
+
+def test_a_tiktoken_checkpoint_pretrains_and_reaches_sft(kimi_dir, corpus_dir, tmp_path):
+  """init_from a Kimi-style directory: its tokenizer becomes the run's, pretraining starts from its weights
+  and SFT from pretraining's checkpoint, on demos made of its ids and its turn tokens."""
+  from composer_jax.rl.envs import factories
+
+  c = _chat_config(kimi_dir, corpus_dir, "pretrain,sft")
+  c.train.update(eval_batches=0)  # one step of each, no evaluation: two compiles
+  c.train.schedule.update(steps=1, checkpoint_every=1)
+  c.sft.update(eval_problems=0)
+  c.sft.schedule.steps = 1
+  config = configs.resolve(configs.from_config(c))
+  n = len(tokenizer.read_ranks(kimi_dir / "tiktoken.model"))
+  assert config.data.tokenizer == str(kimi_dir) and config.model.vocab_size == n + 256
+  out = pipeline.run(c, str(tmp_path))
+  assert out["pretrain"]["steps"] == 1 and np.isfinite(out["pretrain"]["last_train_loss"])
+  assert out["sft"]["steps"] == 1 and np.isfinite(out["sft"]["last_loss"])
+  assert out["sft"]["init"].startswith("pretrain checkpoint")
+  tok = chat.tokenizer(str(kimi_dir))
+  demo = factories.demonstrations(config.rl, config.sft, 0, tok)[0]
+  assert demo.tokens[0] == tok.special_id("<|user|>") > 256 and max(demo.tokens) < tok.vocab_size
+
+
+@pytest.mark.parametrize("stage", ["sft", "rl"])
+def test_a_tiktoken_tokenizer_without_the_chat_tokens_is_refused_in_one_line(
+  kimi_dir, corpus_dir, tmp_path, stage
+):
+  d = tmp_path / "ckpt"  # kimi_dir's model; its tokenizer without the turn format's tokens
+  d.mkdir()
+  write_tiktoken(d, chat_tokens=False)
+  (d / "config.json").write_text((kimi_dir / "config.json").read_text())
+  named = "added_tokens_decoder, at unnamed <\\|reserved_token_N\\|> ids"
+  with pytest.raises(
+    configs.ConfigError, match=f"data.tokenizer: .* has no <\\|system\\|>, <\\|user\\|>.*{named}"
+  ):
+    pipeline.run(_chat_config(d, corpus_dir, stage), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # refused before any work

@@ -1,14 +1,19 @@
-"""Tokenizers: byte-level (no deps, lossless) and a byte-level BPE trained on the stdlib corpus.
+"""Tokenizers: byte-level (no deps, lossless), a byte-level BPE trained on the stdlib corpus, and a
+checkpoint's own (`tokenizer.json`: `HFTokenizer`; Kimi's `tiktoken.model`: `TiktokenTokenizer`).
 
-Both map any `str` to ids and back exactly. Special tokens (chat roles, tool calls) are never produced
+All map any `str` to ids and back exactly. Special tokens (chat roles, tool calls) are never produced
 by `encode` of plain text -- a user typing "<|eos|>" gets its bytes -- so the RL code builds turns by
 concatenating `encode(text)` with `special_id(...)` ids: token ids are the truth, strings are not.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.resources
+import importlib.util
+import json
 import os
+import pathlib
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -150,9 +155,6 @@ class HFTokenizer:
   """
 
   def __init__(self, directory: str | os.PathLike):
-    import json
-    import pathlib
-
     import tokenizers
 
     d = pathlib.Path(directory)
@@ -197,34 +199,153 @@ class HFTokenizer:
     return token_id in self._special_set
 
 
+# The Kimi family's tiktoken BPE (Kimi K2, K2.5; Moonlight): mergeable ranks in `tiktoken.model` (a base64
+# token and its rank per line), then `RESERVED_SPECIAL_IDS` ids for special tokens, named in
+# tokenizer_config.json's `added_tokens_decoder` (the unnamed ones: `<|reserved_token_{id}|>`). The
+# pre-tokenisation pattern is only in the checkpoints' Python tokenizer: `TikTokenTokenizer.pat_str` of
+# tokenization_kimi.py in MoonshotAI's Kimi-K2 checkpoint repositories on Hugging Face (the same eight
+# alternatives, Han runs first, in the Kimi K2 and K2.5 releases).
+TIKTOKEN_FILE = "tiktoken.model"
+RESERVED_SPECIAL_IDS = 256
+KIMI_PAT_STR = "|".join(
+  [
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+  ]
+)  # fmt: skip
+TIKTOKEN_HINT = "the tiktoken extra: `pip install -e '.[tiktoken]'`"
+
+
+def read_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+  """A tiktoken BPE file's mergeable ranks: "<base64 token> <rank>" per line; the ranks must be 0..n-1."""
+  ranks = {}
+  for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      token, rank = line.split()
+      ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except ValueError:
+      raise ValueError(f"{path}:{number} is not '<base64 token> <rank>': {line[:80]!r}") from None
+  if sorted(ranks.values()) != list(range(len(ranks))):
+    raise ValueError(f"{path}: the ranks of its {len(ranks)} tokens are not 0..{len(ranks) - 1}, each once")
+  return ranks
+
+
+class TiktokenTokenizer:
+  """A Kimi-family checkpoint's own tokenizer: `tiktoken.model` (the BPE's mergeable ranks, ids 0..n-1) with
+  `KIMI_PAT_STR` as its pre-tokenisation, and `RESERVED_SPECIAL_IDS` special ids n.. named by
+  tokenizer_config.json (`added_tokens_decoder`; bos/eos/pad by its `bos_token`, `eos_token`, `pad_token`).
+  Needs the tiktoken package (extra `tiktoken`).
+
+  As with `HFTokenizer`: special names in text are text, `special_id` names a missing token, a vocabulary
+  without a pad token pads with eos. The turn format's tokens exist only where tokenizer_config.json names
+  them (`missing`)."""
+
+  def __init__(self, directory: str | os.PathLike):
+    import tiktoken  # the optional `tiktoken` extra; `checkpoint_tokenizer` checks it is installed
+
+    d = pathlib.Path(directory)
+    ranks = read_ranks(d / TIKTOKEN_FILE)
+    conf_path = d / "tokenizer_config.json"
+    conf = json.loads(conf_path.read_text()) if conf_path.exists() else {}
+    n = len(ranks)
+    named = {int(i): entry["content"] for i, entry in conf.get("added_tokens_decoder", {}).items()}
+    below = sorted(i for i in named if i < n)
+    if below:
+      raise ValueError(
+        f"{conf_path}: added_tokens_decoder names ids {below[:5]} of the {n} ids {TIKTOKEN_FILE} ranks"
+      )
+    count = max([RESERVED_SPECIAL_IDS, *(i - n + 1 for i in named)])
+    self.special_ids = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + count)}
+    if len(self.special_ids) != count:
+      raise ValueError(f"{conf_path}: added_tokens_decoder names one token at two ids")
+    self._enc = tiktoken.Encoding(
+      name=d.name or "tiktoken",
+      pat_str=KIMI_PAT_STR,
+      mergeable_ranks=ranks,
+      special_tokens=self.special_ids,
+      explicit_n_vocab=n + count,
+    )
+    self.n_ranks = n
+    self.vocab_size = n + count
+    self.eos_id = self._named(conf, "eos_token", "[EOS]", "<|endoftext|>")
+    self.bos_id = self._named(conf, "bos_token", "[BOS]", default=self.eos_id)
+    self.pad_id = self._named(conf, "pad_token", "[PAD]", default=self.eos_id)
+
+  def _named(self, conf: dict, key: str, *fallbacks: str, default: int | None = None) -> int:
+    token = conf.get(key)
+    token = token.get("content") if isinstance(token, dict) else token
+    for name in ([token] if token else []) + list(fallbacks):
+      if name in self.special_ids:
+        return self.special_ids[name]
+    if default is None:
+      raise ValueError(f"the tokenizer names no {key} (tokenizer_config.json) and has none of {fallbacks}")
+    return default
+
+  def encode(self, text: str) -> list[int]:
+    return self._enc.encode_ordinary(text)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._enc.encode_ordinary_batch(list(texts))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._enc.decode([int(i) for i in ids])
+
+  def special_id(self, token: str) -> int:
+    if token not in self.special_ids:
+      raise KeyError(f"the checkpoint's tokenizer has no {token} token (the chat turn format needs it)")
+    return self.special_ids[token]
+
+  def missing(self, tokens: Sequence[str]) -> list[str]:
+    """Those of `tokens` that tokenizer_config.json does not name as special tokens."""
+    return [t for t in tokens if t not in self.special_ids]
+
+  def is_special(self, token_id: int) -> bool:
+    return token_id >= self.n_ranks
+
+
+def checkpoint_files(directory: str | os.PathLike) -> str | None:
+  """The tokenizer file of a checkpoint directory that `load` reads: "tokenizer.json" (first) or
+  `TIKTOKEN_FILE`; None when it has neither."""
+  d = pathlib.Path(directory)
+  return next((f for f in ("tokenizer.json", TIKTOKEN_FILE) if (d / f).is_file()), None)
+
+
 def load(name: str = "bpe") -> Tokenizer:
   """`"byte"`, `"bpe"` (the shipped 4096-token BPE), a tokenizers json file of our format, or a Hugging
-  Face checkpoint directory with a `tokenizer.json` (its own tokenizer, `HFTokenizer`)."""
+  Face checkpoint directory with its own tokenizer: a `tokenizer.json` (`HFTokenizer`), else a Kimi-family
+  `tiktoken.model` (`TiktokenTokenizer`)."""
   if name == "byte":
     return ByteTokenizer()
   if os.path.isdir(name):
-    return HFTokenizer(name)
+    return TiktokenTokenizer(name) if checkpoint_files(name) == TIKTOKEN_FILE else HFTokenizer(name)
   return BPETokenizer.from_file(shipped_bpe_path() if name == "bpe" else name)
 
 
-# Files a checkpoint may ship its tokenizer in that `HFTokenizer` cannot read (Kimi and Moonlight ship
-# a tiktoken BPE, as far as we know).
-_UNREADABLE = ("tiktoken.model", "*.tiktoken")
-
-
 def checkpoint_tokenizer(directory: str) -> str | None:
-  """The directory itself when it has a `tokenizer.json` (`load` reads it); None when it has no
-  tokenizer file at all. A tiktoken model without a tokenizer.json is refused (ValueError): silently
-  falling back to another tokenizer would feed the checkpoint ids it was never trained on."""
-  import pathlib  # noqa: PLC0415
-
+  """The directory itself when it has a tokenizer `load` reads (`checkpoint_files`); None when it has no
+  tokenizer file at all. Refused (ValueError): a `tiktoken.model` without the tiktoken package, and a
+  tokenizer only in another tiktoken file (`*.tiktoken`: its specials' layout is unknown): silently falling
+  back to another tokenizer would feed the checkpoint ids it was never trained on."""
   d = pathlib.Path(directory)
-  if (d / "tokenizer.json").is_file():
-    return str(d)
-  found = sorted(p.name for pattern in _UNREADABLE for p in d.glob(pattern))
-  if found:
+  found = checkpoint_files(d)
+  if found == TIKTOKEN_FILE and importlib.util.find_spec("tiktoken") is None:
     raise ValueError(
-      f"ships its tokenizer as {', '.join(found)} and no tokenizer.json, which this project reads; "
-      "convert it to a tokenizers JSON (tokenizer.json) in that directory"
+      f"ships its tokenizer as {TIKTOKEN_FILE}, which needs the tiktoken package: {TIKTOKEN_HINT}"
+    )
+  if found:
+    return str(d)
+  other = sorted(p.name for p in d.glob("*.tiktoken"))
+  if other:
+    raise ValueError(
+      f"ships its tokenizer as {', '.join(other)}, and neither tokenizer.json nor {TIKTOKEN_FILE}, which "
+      "this project reads; convert it to a tokenizers JSON (tokenizer.json) in that directory"
     )
   return None

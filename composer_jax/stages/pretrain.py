@@ -183,11 +183,15 @@ def _check(config: Config) -> None:
       raise configs.ConfigError(str(e)) from None
   name = config.data.tokenizer
   path = pathlib.Path(name)
-  if name not in ("byte", "bpe") and not path.is_file() and not (path / "tokenizer.json").is_file():
+  if name not in ("byte", "bpe") and not path.is_file() and not tokenizer.checkpoint_files(path):
     raise configs.ConfigError(
-      f"data.tokenizer {name!r}: use 'byte', 'bpe', a tokenizers json file or a directory with tokenizer.json"
+      f"data.tokenizer {name!r}: use 'byte', 'bpe', a tokenizers json file or a directory with "
+      f"tokenizer.json or {tokenizer.TIKTOKEN_FILE}"
     )
-  vocab = tokenizer.load(name).vocab_size
+  try:
+    vocab = tokenizer.load(name).vocab_size
+  except (ValueError, OSError) as e:
+    raise configs.ConfigError(f"data.tokenizer {name!r}: {e}") from None
   if vocab > config.model.vocab_size:
     raise configs.ConfigError(
       f"tokenizer {name!r} has {vocab} ids but model.vocab_size is {config.model.vocab_size}; "

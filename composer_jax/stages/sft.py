@@ -11,6 +11,7 @@ from its own newest checkpoint: the batch of step s is a pure function of (seed,
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -19,6 +20,7 @@ from absl import logging
 
 from composer_jax import configs, optim, sharding
 from composer_jax.configs import Config
+from composer_jax.data import tokenizer as tokenizers
 from composer_jax.stages import outputs, weights
 from composer_jax.stages.record import Interrupted, Stage
 
@@ -161,8 +163,17 @@ def check_chat(config: Config) -> None:
   from composer_jax.rl import chat
 
   configs.check_meshes(config)
+  name = config.data.tokenizer
   try:
-    tok = chat.tokenizer(config.data.tokenizer)
+    if os.path.isdir(name) and tokenizers.checkpoint_files(name) == tokenizers.TIKTOKEN_FILE:
+      missing = tokenizers.load(name).missing(chat.CHAT_TOKENS)
+      if missing:  # chat.tokenizer's refusal, with where a tiktoken checkpoint names its special tokens
+        raise ValueError(
+          f"the tokenizer of {name} has no {', '.join(missing)} token: the sft/gate/rl turn format needs "
+          f"each as a token of its own (name them in its tokenizer_config.json's added_tokens_decoder, at "
+          f"unnamed <|reserved_token_N|> ids: their embedding rows exist)"
+        )
+    tok = chat.tokenizer(name)
   except (ValueError, OSError) as e:
     raise configs.ConfigError(f"data.tokenizer: {e}") from None
   if tok.vocab_size > config.model.vocab_size:
