@@ -8,7 +8,8 @@
       --short_results=runs/ledger/rl_feedback_ledger3.json   # ledger-K (issue 32), each seed its own SFT
 
 The stack is the `run.py` pipeline's: the tiny variant's model pretrained, SFT'd and RL-trained on both
-meshes (8 CPU devices) with sharded Muon; each arm is the rl stage's own `run_arm`.
+meshes (8 CPU devices; `--one_device`: both meshes on one device) with sharded Muon; each arm is the rl
+stage's own `run_arm`.
 
 Arms (`--arms`): `alone` (λ = 0), `feedback` (the config's feedback settings), `null` (the same loss, a
 neutral note as the "hint": `rl.hint=null`), and for the ledger env `informative` (λ = 0, the hint as the
@@ -55,7 +56,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)  # the meshes' 8 devices (as run.py and the tests)
+# The meshes' 8 devices (as run.py and the tests), or one with --one_device: research cells on a 2-core host
+# pay 8 fake devices' collectives for nothing. Read before parsing: the count must be set before jax starts.
+ONE_DEVICE = "--one_device" in sys.argv[1:]
+jax.config.update("jax_num_cpu_devices", 1 if ONE_DEVICE else 8)
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 
 import ledger_compare  # noqa: E402  (benchmarks/, on the path above)
@@ -333,6 +337,7 @@ def parse():
   )
   ap.add_argument("--set", action="append", default=[], help="override, e.g. --set rl.lambda_feedback=0.5")
   ap.add_argument("--tag", default="", help="results and plot file suffix")
+  ap.add_argument("--one_device", action="store_true", help="every stage on a mesh of one CPU device")
   ap.add_argument("--out", default=None, help="also write the markdown summary here")
   ap.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"))
   ap.add_argument("--results", default=None, help="also write compact results (and the gate) to this folder")
@@ -360,6 +365,8 @@ def build_config(args):
   cd.rl.schedule.update(steps=args.steps, eval_every=args.eval_every)
   cd.rl.eval_problems = args.eval_problems
   config = configs.from_config(cd)
+  if args.one_device:
+    config = dataclasses.replace(config, mesh=configs.MeshConfig(dense=(1, 1, 1), expert=(1, 1)))
   if args.ledger_k:
     config = dataclasses.replace(
       config, rl=ledger_compare.ledger_rl(config.rl, args.ledger_k, config.data.tokenizer)

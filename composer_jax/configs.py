@@ -247,6 +247,8 @@ class RLConfig:
   max_turn_tokens: int = 16  # sampled tokens per assistant turn (a call is at most ~12)
   cache_len: int = 768  # sampler cache slots (shared write index: Σ over turns of the longest row)
   batch_min_len: int = 256  # a step's batch is padded to a power of two ≥ this: fewer shapes to compile
+  # > 0: padded to a multiple of this instead (≥ batch_min_len): fewer padded tokens, more programs to compile
+  batch_multiple: int = 0
   # The update in micro-batches of at most this many tokens (rollouts × padded length), gradients summed
   # exactly (`rl.batch.micro_batched`); 0: chosen before the stage so that the planned step at the longest
   # rollouts (cache_len) fits this host's memory (`plan.host_memory`); -1: the whole batch in one pass.

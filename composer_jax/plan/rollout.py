@@ -40,9 +40,9 @@ _RL_GRID_FIELDS = 5  # tokens, positions, segment_ids (int32), loss_mask, sample
 
 def rl_shape(rcfg: configs.RLConfig) -> tuple[int, int]:
   """(rows, columns) of the RL step's batch as the compile stage lowers it."""
-  from composer_jax.rl.batch import bucket  # noqa: PLC0415  (the RL package is large)
+  from composer_jax.rl.batch import padded_length  # noqa: PLC0415  (the RL package is large)
 
-  return rcfg.problems_per_step * rcfg.group_size, bucket(rcfg.cache_len, 64)
+  return rcfg.problems_per_step * rcfg.group_size, padded_length(rcfg.cache_len, 64, rcfg.batch_multiple)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: Any, tpu: bool) -> int:

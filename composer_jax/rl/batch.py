@@ -6,7 +6,8 @@ Shape suffixes: B batch (rollouts), T time (trajectory tokens), F flagged rows, 
   batch = rl_batch(trajs, group_ids, infos, with_feedback=True, rules=rules)   # an RLBatch
   batch = rl_batch(trajs, group_ids, infos, with_penalty=True, rules=rules)    # + flagged tokens [B, T]
 
-Shapes are bucketed to powers of two (`bucket`), so a run compiles a handful of step programs. A batch
+Shapes are bucketed to powers of two (`bucket`), so a run compiles a handful of step programs, or padded
+to multiples of `rl.batch_multiple` (`padded_length`). A batch
 without flagged turns has `feedback=None`: another tree structure, so the same jitted step compiles a
 program without the teacher for it.
 """
@@ -64,6 +65,15 @@ class RLBatch:
 def bucket(n: int, minimum: int) -> int:
   """The smallest power of two ≥ max(n, minimum): a handful of shapes, so a handful of compilations."""
   return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def padded_length(n: int, minimum: int, multiple: int = 0) -> int:
+  """A batch's padded length for its longest rollout of `n` tokens: `bucket(n, minimum)`, or with
+  `multiple` > 0 the smallest multiple of it ≥ max(n, minimum) (at most multiple − 1 padded columns per row
+  instead of up to n − 1, at the cost of one compiled program per multiple reached)."""
+  if multiple <= 0:
+    return bucket(n, minimum)
+  return max(minimum, -(-n // multiple) * multiple)
 
 
 def feedback_rules(rcfg: RLConfig) -> feedback.FeedbackRules:
@@ -171,14 +181,16 @@ def rl_batch(
   variant: str = "task",
   rows_cap: int = 0,
   min_len: int = 64,
+  multiple: int = 0,
 ) -> RLBatch:
-  """`chat.to_arrays` (padded to a power of two, at least `min_len`) + group ids (+ `feedback_arrays`,
-  + `flagged_tokens` of the first flagged turns with `with_penalty`).
+  """`chat.to_arrays` (padded to a power of two, at least `min_len`, or to a multiple of `multiple`:
+  `padded_length`) + group ids (+ `feedback_arrays`, + `flagged_tokens` of the first flagged turns with
+  `with_penalty`).
 
   Trajectories that carry `routed_experts` (collected with routing_replay) add routed_experts
   [B, T, MoE layers, top_k] int16, -1 on padding and wherever unknown (the forward routes those itself).
   """
-  pad_to = bucket(max(len(t) for t in trajs), min_len)
+  pad_to = padded_length(max(len(t) for t in trajs), min_len, multiple)
   a = chat.to_arrays(trajs, pad_to, tok.pad_id)
   keys = ("tokens", "positions", "segment_ids", "loss_mask", "sampler_logprobs", "rewards")
   batch = RLBatch(**{k: a[k] for k in keys}, group_ids=np.asarray(group_ids, np.int32))

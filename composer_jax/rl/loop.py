@@ -82,7 +82,7 @@ def hooks(
     cap = rcfg.feedback_rows
     batch = rl_batch(
       trajs, groups, infos, with_feedback=use_fb, with_penalty=rcfg.flag_penalty > 0, rules=rules,
-      variant=rcfg.hint, rows_cap=cap, tok=tok, min_len=rcfg.batch_min_len,
+      variant=rcfg.hint, rows_cap=cap, tok=tok, min_len=rcfg.batch_min_len, multiple=rcfg.batch_multiple,
     )  # fmt: skip
     n_fb_rows = int(np.sum(batch.feedback.teacher_lengths > 0)) if use_fb else 0
     stats["feedback_turns_per_rollout"] = n_fb_rows / len(trajs)
