@@ -242,6 +242,9 @@ def test_the_update_is_planned_to_fit_the_host():
     "\n" not in line and f"micro-batches of {micro} rollouts" in line and f"rl.update_tokens={tokens}" in line
   )
   assert host.resolve_update_tokens(_long_config(8, update_tokens=0), 64 * 2**30) == (-1, "")  # fits whole
+  # fewer rollouts than the devices they are split over (2 on 4): planned as one row per device
+  two = _long_config(8, update_tokens=0, problems_per_step=1, group_size=2)
+  assert host.resolve_update_tokens(two, 64 * 2**30) == (-1, "")
   with pytest.raises(host.UpdateDoesNotFit, match="rl.update_tokens=-1"):
     host.resolve_update_tokens(_long_config(8, update_tokens=-1), small_host)
   with pytest.raises(host.UpdateDoesNotFit, match="rl.cache_len"):

@@ -18,6 +18,7 @@ from composer_jax.rl import step as rl_step
 from composer_jax.rl.envs import factories, toy
 from composer_jax.rl.loss import LossSettings
 from composer_jax.train import loop as train_loop
+from composer_jax.train.losses import token_logp
 from composer_jax.train.state import create_state
 from composer_jax.train.step import make_step, next_token_loss
 
@@ -227,7 +228,7 @@ def test_feedback_advantage_is_sampled_token_log_ratio(params):
   L = batch.feedback.teacher_tokens.shape[1]
   logits, aux = jax.jit(lambda p: rl_loss_lib.student_forward(p, CFG, _rows(batch), L))(params)
   t_FNV = rl_loss_lib.teacher_logits(params, CFG, aux["cache"], batch)
-  logp_BT = rl_loss_lib.token_logp(logits, batch.tokens)
+  logp_BT = token_logp(logits, batch.tokens)
   adv_BT = np.asarray(rl_loss_lib.feedback_advantages(t_FNV, logp_BT, batch, 0.5))
   k, kind = feedback.detect(trajs[0], toy.ToyEnv().info())[0]
   ti = feedback.teacher_inputs(trajs[0], k, feedback.hint_ids(feedback.hint_for(kind, toy.ToyEnv().info())))

@@ -38,19 +38,28 @@ def host_memory_bytes() -> int:
   return total
 
 
+def _split(config: configs.Config) -> int:
+  """The devices the rollouts are split over (the dense mesh's batch axes)."""
+  return derive_layout(config.mesh.dense, config.mesh.expert, None, config.model.n_experts).degrees.batch
+
+
 def update_bytes(config: configs.Config, micro_rows: int, cols: int | None = None) -> int:
   """Planned bytes of one RL update on this host: every device's predicted peak (`rollout.rl_step`) on
-  micro-batches of `micro_rows` rollouts padded to `cols` tokens (default: the longest)."""
-  devices = math.prod(config.mesh.dense)
-  return devices * rollout.rl_step(config, micro_rows=micro_rows, cols=cols)["xla"]["peak"]
+  micro-batches of `micro_rows` rollouts padded to `cols` tokens (default: the longest). A micro-batch
+  smaller than the devices it is split over is planned as one row per device (what each device holds)."""
+  devices, split = math.prod(config.mesh.dense), _split(config)
+  micro = -(-micro_rows // split) * split
+  rows = -(-max(rollout.rl_shape(config.rl)[0], micro) // micro) * micro
+  return devices * rollout.rl_step(config, micro_rows=micro, cols=cols, rows=rows)["xla"]["peak"]
 
 
 def _candidates(config: configs.Config) -> list[int]:
   """Micro-batch sizes the update can take, largest first: divisors of the batch, split evenly over the
-  devices that hold rows (`rl.batch.micro_rows`'s rule)."""
+  devices that hold rows where any is (`rl.batch.micro_rows`'s rule)."""
   rows, _ = rollout.rl_shape(config.rl)
-  split = derive_layout(config.mesh.dense, config.mesh.expert, None, config.model.n_experts).degrees.batch
-  return sorted((r for r in range(split, rows + 1, split) if rows % r == 0), reverse=True)
+  divisors = [r for r in range(1, rows + 1) if rows % r == 0]
+  aligned = [r for r in divisors if r % _split(config) == 0]
+  return sorted(aligned or divisors, reverse=True)
 
 
 def resolve_update_tokens(config: configs.Config, host_bytes: int | None = None) -> tuple[int, str]:

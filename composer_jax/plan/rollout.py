@@ -77,7 +77,7 @@ def rl_phases(config: configs.Config, plan: core.Plan, rows: int, cols: int) -> 
   if r.lambda_feedback <= 0:
     return {"loss": loss}
   f, big_n, big_l = feedback_shape(r)
-  n_micro = rl_shape(r)[0] // rows
+  n_micro = max(rl_shape(r)[0] // rows, 1)
   per_micro = math.ceil(f / n_micro)  # teacher rows per micro-batch (`rl.batch.micro_batched`)
   f_local = math.ceil(per_micro / deg.batch)
   loss["teacher_scores"] = f_local * big_n * v * 4
@@ -93,13 +93,19 @@ def rl_phases(config: configs.Config, plan: core.Plan, rows: int, cols: int) -> 
 
 
 def rl_step(
-  config: configs.Config, *, tpu: bool = False, micro_rows: int | None = None, cols: int | None = None
+  config: configs.Config,
+  *,
+  tpu: bool = False,
+  micro_rows: int | None = None,
+  cols: int | None = None,
+  rows: int | None = None,
 ) -> dict[str, Any]:
-  """Predicted memory_analysis fields of the RL step, with its terms: problems_per_step × group_size
-  rollouts padded to `cols` tokens (default: the longest, `rl_shape`), updated in micro-batches of
-  `micro_rows` rollouts (default: one pass)."""
+  """Predicted memory_analysis fields of the RL step, with its terms: `rows` rollouts (default
+  problems_per_step × group_size) padded to `cols` tokens (default: the longest, `rl_shape`), updated in
+  micro-batches of `micro_rows` rollouts (default: one pass)."""
   r = config.rl
-  rows, longest = rl_shape(r)
+  configured, longest = rl_shape(r)
+  rows = rows or configured
   cols = cols or longest
   micro = micro_rows or rows
   train = dataclasses.replace(config.train, batch_size=rows, seq_len=cols, grad_accum=rows // micro)
