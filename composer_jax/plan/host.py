@@ -9,7 +9,6 @@ planned at the longest rollout the sampler can write (`rl.cache_len`), the bound
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import pathlib
@@ -84,23 +83,18 @@ def resolve_update_tokens(config: configs.Config, host_bytes: int | None = None)
         "set rl.update_tokens=0 (chosen to fit) or lower it"
       )
     return r.update_tokens, ""
-  for micro in _candidates(config):
+  whole = update_bytes(config, rows, cols)
+  if whole <= budget:
+    return -1, ""
+  need = whole
+  for micro in (m for m in _candidates(config) if m < rows):
     need = update_bytes(config, micro, cols)
     if need <= budget:
-      if micro == rows:
-        return -1, ""
-      whole = update_bytes(config, rows, cols)
       return micro * cols, (
         f"[rl] the update of {shape} is planned at {whole / GIB:.1f} GiB, over {have}: micro-batches of "
         f"{micro} rollouts ({need / GIB:.1f} GiB; rl.update_tokens={micro * cols}), gradients summed exactly"
       )
   raise UpdateDoesNotFit(
-    f"[rl] even the smallest micro-batch of the update ({shape}) is planned at "
-    f"{update_bytes(config, _candidates(config)[-1], cols) / GIB:.1f} GiB, over {have}: lower rl.cache_len "
-    "(the longest rollout) or raise rl.update_memory"
+    f"[rl] even the smallest micro-batch of the update ({shape}) is planned at {need / GIB:.1f} GiB, over "
+    f"{have}: lower rl.cache_len (the longest rollout) or raise rl.update_memory"
   )
-
-
-def with_update_tokens(config: configs.Config, update_tokens: int) -> configs.Config:
-  """The config with its RL update budget resolved."""
-  return dataclasses.replace(config, rl=dataclasses.replace(config.rl, update_tokens=update_tokens))

@@ -233,38 +233,27 @@ def micro_batched(batch: RLBatch, n: int) -> RLBatch:
   if B % n:
     raise ValueError(f"{B} rollouts do not split into {n} micro-batches")
   fb = batch.feedback
-  first = (
-    [] if fb is None else [int(r) for r, n_ in zip(fb.fb_rows, fb.teacher_lengths, strict=True) if n_ > 0]
-  )
-  order = np.asarray(first + [b for b in range(B) if b not in set(first)], np.int64)
+  kept = np.zeros(0, np.int64) if fb is None else np.flatnonzero(np.asarray(fb.teacher_lengths) > 0)
+  first = np.zeros(0, np.int64) if fb is None else np.asarray(fb.fb_rows)[kept]  # their batch rows, in order
+  order = np.concatenate([first, np.setdiff1d(np.arange(B), first)])
   rows_leading = {k for k, v in vars(batch).items() if k != "feedback" and v is not None and np.ndim(v) >= 1}
-  moved = {k: np.asarray(getattr(batch, k))[order] for k in rows_leading}
-  out = batch.replace(**moved, micro_batches=n)
+  out = batch.replace(**{k: np.asarray(getattr(batch, k))[order] for k in rows_leading}, micro_batches=n)
   if fb is None:
     return out
-  k = len(first)
-  F = int(fb.fb_rows.shape[0])
-  per = -(-max(F, k) // n)
-  pad_to = int(batch.tokens.shape[1])
-  arrays = {name: np.asarray(getattr(fb, name)) for name in vars(fb)}
-  kept = [i for i, n_ in enumerate(fb.teacher_lengths) if n_ > 0]  # teacher rows, in batch-row order
+  k, slots = len(kept), n * -(-max(int(fb.fb_rows.shape[0]), len(kept)) // n)
+  # Padding teacher rows: empty, and hiding nothing from the teacher (hint_start at the padded length).
+  fills = {"hint_start": int(batch.tokens.shape[1])}
 
-  def padded(name: str, fill) -> np.ndarray:
-    x = arrays[name]
-    new = np.full((n * per, *x.shape[1:]), fill, x.dtype)
+  def padded(name: str) -> np.ndarray:
+    x = np.asarray(getattr(fb, name))
+    new = np.full((slots, *x.shape[1:]), fills.get(name, 0), x.dtype)
     new[:k] = x[kept]
     return new
 
-  new_fb = FeedbackBatch(
-    fb_rows=np.concatenate([np.arange(k, dtype=np.int32) // n, np.zeros(n * per - k, np.int32)]),
-    teacher_tokens=padded("teacher_tokens", 0),
-    teacher_lengths=padded("teacher_lengths", 0),
-    hint_start=padded("hint_start", pad_to),
-    fb_cols=padded("fb_cols", 0),
-    teacher_cols=padded("teacher_cols", 0),
-    fb_mask=padded("fb_mask", 0.0),
-  )
-  return out.replace(feedback=new_fb)
+  fb_rows = np.zeros(slots, np.int32)
+  fb_rows[:k] = np.arange(k) // n  # teacher row q sits in micro-batch q % n, at its row q // n
+  teacher = {name: padded(name) for name in vars(fb) if name != "fb_rows"}
+  return out.replace(feedback=fb.replace(**teacher, fb_rows=fb_rows))
 
 
 def synthetic_batch(rows: int, length: int, flagged: int, seed: int = 0) -> RLBatch:
