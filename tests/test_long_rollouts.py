@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_model import random_params
@@ -24,6 +25,7 @@ from composer_jax.rl import step as rl_step
 from composer_jax.rl.envs import toy
 from composer_jax.rl.loss import LossSettings
 from composer_jax.train import loop as train_loop
+from composer_jax.train import losses
 from composer_jax.train.batch import place
 from composer_jax.train.step import gradients, make_step
 
@@ -59,6 +61,32 @@ def test_query_chunks_give_the_whole_attention_and_its_gradients(impl):
     np.testing.assert_allclose(max_g, max_w, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_g, g_w)
+
+
+def test_the_rl_log_probs_in_column_chunks_equal_the_whole_sequence():
+  """`losses.chunked_token_logp` with 4 chunks of 8 and 3 of 8 (T = 24) against one pass: the sampled
+  tokens' log-probs, their gradients and the entropy, aligned with the tokens."""
+  k = jax.random.split(jax.random.key(4), 3)
+  for T in (32, 24):
+    h_BTD = jax.random.normal(k[0], (3, T, 16))
+    w_DV = jax.random.normal(k[1], (16, 40)) * 0.5
+    tokens_BT = jax.random.randint(k[2], (3, T), 0, 40)
+    logits_BTV = h_BTD @ w_DV
+    want_logp = losses.token_logp(logits_BTV, tokens_BT)
+
+    def total(h, w, chunk, tokens_BT=tokens_BT):
+      logp_BT, ent_BT = losses.chunked_token_logp(h, lambda x: x @ w, tokens_BT, chunk)
+      weights_1T = jnp.arange(logp_BT.shape[1], dtype=jnp.float32)[None]  # every column its own weight
+      return (logp_BT * weights_1T).sum(), (logp_BT, ent_BT)
+
+    (_, (logp0, ent0)), g0 = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(h_BTD, w_DV, 0)
+    (_, (logp8, ent8)), g8 = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(h_BTD, w_DV, 8)
+    np.testing.assert_allclose(logp0, want_logp, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(logp8, logp0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ent8, ent0, rtol=1e-6, atol=1e-6)
+    assert float(ent0[:, 1:].min()) > 0 and float(jnp.abs(ent0[:, 0]).max()) == 0
+    for a, b in zip(g8, g0, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # float order, columns weighted up to 31
 
 
 def test_chunk_count_divides_the_length():

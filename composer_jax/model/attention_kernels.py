@@ -45,6 +45,19 @@ def chunk_count(t: int, chunk: int) -> int:
   return next(n for n in range(-(-t // chunk), t + 1) if t % n == 0)
 
 
+def split_columns(x_BT: jax.Array, n: int) -> jax.Array:
+  """[B, T, ...] → [n, B, T/n, ...], chunk j holding columns i·n + j: an axis split over devices in
+  contiguous blocks stays split inside every chunk."""
+  B, T = x_BT.shape[:2]
+  return jnp.moveaxis(x_BT.reshape(B, T // n, n, *x_BT.shape[2:]), 2, 0)
+
+
+def join_columns(x_nBC: jax.Array) -> jax.Array:
+  """The inverse of `split_columns`: [n, B, C, ...] → [B, n·C, ...]."""
+  n, B, C = x_nBC.shape[:3]
+  return jnp.moveaxis(x_nBC, 0, 2).reshape(B, n * C, *x_nBC.shape[3:])
+
+
 def by_query_chunks(fn, q_side: tuple, chunk: int):
   """`fn(*q_side) -> (out [B, T, ...], max_logit [H])` over chunks of at most `chunk` query positions.
 
@@ -53,16 +66,12 @@ def by_query_chunks(fn, q_side: tuple, chunk: int):
   under `jax.checkpoint`, so the backward pass recomputes its scores: one chunk's [B, C, H, S] fp32 scores
   live at a time, memory linear in T instead of quadratic. Chunk j takes columns i·n + j (n chunks), so a
   query axis split over context devices in contiguous blocks stays split inside every chunk."""
-  B, T = q_side[0].shape[:2]
-  n = chunk_count(T, chunk)
+  n = chunk_count(q_side[0].shape[1], chunk)
   if n == 1:
     return fn(*q_side)
-  c = T // n
-  split = lambda x: jnp.moveaxis(x.reshape(B, c, n, *x.shape[2:]), 2, 0)  # noqa: E731  [n, B, c, ...]
   one = jax.checkpoint(lambda xs: fn(*xs))
-  out_nBC, max_nH = jax.lax.map(one, tuple(split(x) for x in q_side))
-  out = jnp.moveaxis(out_nBC, 0, 2).reshape(B, T, *out_nBC.shape[3:])
-  return out, jnp.max(max_nH, axis=0)
+  out_nBC, max_nH = jax.lax.map(one, tuple(split_columns(x, n) for x in q_side))
+  return join_columns(out_nBC), jnp.max(max_nH, axis=0)
 
 
 def xla(q_BTHK, k_BSHK, v_BSHV, scale, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, *, chunk: int = 0):

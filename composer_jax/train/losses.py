@@ -16,7 +16,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from composer_jax.model.attention_kernels import chunk_count
+from composer_jax.model.attention_kernels import chunk_count, join_columns, split_columns
 
 
 def next_token_logp(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -127,7 +127,6 @@ def chunked_token_logp(
   The RL loss needs every sampled token's log-prob, not a sum, so unlike `chunked_target_loss` the
   chunks' values are kept ([B, T] floats, not [B, T, V]); each chunk's logits are recomputed in the
   backward pass (`jax.checkpoint`). Chunk j takes columns i·n + j, as in `chunked_target_loss`."""
-  B, T, _ = hidden_BTD.shape
   targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))  # column t predicts token t + 1
 
   def columns(h_BcD: jax.Array, t_Bc: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -136,15 +135,11 @@ def chunked_token_logp(
     ent_Bc = -jnp.sum(jnp.exp(sg_BcV) * sg_BcV, axis=-1)
     return jnp.take_along_axis(logp_BcV, t_Bc[..., None], axis=-1)[..., 0], ent_Bc
 
-  n = chunk_count(T, chunk)
+  n = chunk_count(hidden_BTD.shape[1], chunk)
   if n == 1:
     logp_BT, ent_BT = columns(hidden_BTD, targets_BT)
   else:
-    c = T // n
-    split = lambda x: jnp.moveaxis(x.reshape(B, c, n, *x.shape[2:]), 2, 0)  # noqa: E731  [n, B, c, ...]
-    logp_nBc, ent_nBc = jax.lax.map(
-      jax.checkpoint(lambda xs: columns(*xs)), (split(hidden_BTD), split(targets_BT))
-    )
-    logp_BT, ent_BT = (jnp.moveaxis(x, 0, 2).reshape(B, T) for x in (logp_nBc, ent_nBc))
+    chunks = (split_columns(hidden_BTD, n), split_columns(targets_BT, n))
+    logp_BT, ent_BT = map(join_columns, jax.lax.map(jax.checkpoint(lambda xs: columns(*xs)), chunks))
   shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)))  # noqa: E731  aligned with the predicted tokens
   return shift(logp_BT), shift(ent_BT)
